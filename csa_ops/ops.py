@@ -1,0 +1,129 @@
+"""torch.library registration of csa::compressor and csa::compressor_backward.
+
+Both ops are functional (outputs allocated inside). CUDA runs the CuTe-DSL kernels where
+``csa_ops.host`` supports the configuration; every other device and configuration runs
+``csa_ops.reference``. Fakes live in ``csa_ops.meta``; autograd is registered here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference, validation
+
+FORWARD_SCHEMA = (
+    "(Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor cu_seqlens_comp, "
+    "int ratio, int coff, SymInt? total_comp=None) -> Tensor"
+)
+BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, "
+    "Tensor cu_seqlens_comp, int ratio, int coff) -> (Tensor, Tensor, Tensor)"
+)
+# The kernels index row-major memory; Inductor must hand them contiguous buffers.
+_TAGS = (torch.Tag.needs_contiguous_strides,)
+
+
+def _contiguous(*tensors):
+    return tuple(t.contiguous() for t in tensors)
+
+
+def _host():
+    """The CuTe-DSL launch path, imported on first CUDA use (importing cutlass costs ~1 s)."""
+    from . import host
+
+    return host
+
+
+@torch.library.custom_op("csa::compressor", mutates_args=(), schema=FORWARD_SCHEMA, tags=_TAGS)
+def _compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
+    validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp)
+    kv, score, ape = _contiguous(kv, score, ape)
+    if kv.device.type == "cpu":
+        validation.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], ratio, total_comp)
+    return reference.compressor_reference(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                                          total_comp)
+
+
+@_compressor.register_kernel("cuda")
+def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
+    validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp)
+    args = _contiguous(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    if total_comp is None:
+        total_comp = int(cu_seqlens_comp[-1])  # the documented host sync of the None form
+    host = _host()
+    if host.supports(*args, ratio, coff):
+        return host.compressor_forward(*args, ratio, coff, total_comp)
+    return reference.compressor_reference(*args, ratio, coff, total_comp)
+
+
+@torch.library.custom_op("csa::compressor_backward", mutates_args=(), schema=BACKWARD_SCHEMA,
+                         tags=_TAGS)
+def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+    head_dim = validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+    validation.check_grad_out(grad_out, kv, head_dim)
+    grad_out, kv, score, ape = _contiguous(grad_out, kv, score, ape)
+    if kv.device.type == "cpu":
+        validation.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], ratio, grad_out.shape[0])
+    return reference.compressor_backward_reference(grad_out, kv, score, ape, cu_seqlens,
+                                                   cu_seqlens_comp, ratio, coff)
+
+
+@_compressor_backward.register_kernel("cuda")
+def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+    head_dim = validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+    validation.check_grad_out(grad_out, kv, head_dim)
+    args = _contiguous(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    host = _host()
+    if host.supports(*args[1:], ratio, coff):
+        return host.compressor_backward(*args, ratio, coff)
+    return reference.compressor_backward_reference(*args, ratio, coff)
+
+
+def _setup_context(ctx, inputs, output):
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, _total_comp = inputs
+    ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    ctx.ratio = ratio
+    ctx.coff = coff
+
+
+def _backward(ctx, grad_out):
+    kv, score, ape, cu_seqlens, cu_seqlens_comp = ctx.saved_tensors
+    grad_kv, grad_score, grad_ape = torch.ops.csa.compressor_backward(
+        grad_out.contiguous(), kv, score, ape, cu_seqlens, cu_seqlens_comp, ctx.ratio, ctx.coff)
+    differentiable = (grad_kv, grad_score, grad_ape)
+    # The offsets, ratio, coff and total_comp get no gradient.
+    return differentiable + (None,) * (len(ctx.needs_input_grad) - len(differentiable))
+
+
+_compressor.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+               cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, *, ratio: int, coff: int,
+               total_comp: int | None = None) -> torch.Tensor:
+    """Pool every ``ratio`` tokens of each packed sequence into one row with a gated softmax.
+
+    Inputs are THD-packed: ``kv`` and ``score`` are ``(T, coff*d)``, ``ape`` is
+    ``(ratio, coff*d)`` float32, ``cu_seqlens``/``cu_seqlens_comp`` are the int32
+    cumulative token and row counts (``cuc[s+1]-cuc[s] == (cu[s+1]-cu[s]) // ratio``).
+    Row ``n`` of segment ``s``, block ``b = n - cuc[s]``, first token ``t0 = cu[s] + b*ratio``:
+
+    * ``coff=1``: softmax over ``k < ratio`` of ``score[t0+k, j] + ape[k, j]`` weights
+      ``kv[t0+k, j]``.
+    * ``coff=2``: a ``2*ratio`` window; entries ``k < ratio`` read the previous block's
+      tokens in the first ``d`` columns (``-inf`` logit and zero value when ``b == 0``),
+      entries ``k >= ratio`` the own block's tokens in the second ``d`` columns.
+
+    Tail tokens (``len % ratio``) are dropped. ``total_comp=None`` returns exactly
+    ``cuc[-1]`` rows (a host sync on CUDA; an unbacked size under torch.compile); an int is a
+    static capacity that never synchronizes: rows past ``cuc[-1]`` are exact zeros.
+
+    Numerics: fp32 intermediates (fp64 for fp64 inputs), one final rounding to kv's dtype.
+    The CUDA kernels' forward is within one rounding step of ``csa_ops.reference`` on at most
+    max(1, 0.1%) of elements; ``grad_kv``/``grad_score`` are bit-identical to it at small
+    windows and within final rounding at large ones; ``grad_ape`` is within 1e-3, reduced
+    in a fixed order without atomics. All outputs are bitwise run-to-run deterministic, so
+    the op runs under ``torch.use_deterministic_algorithms(True)``.
+    """
+    return torch.ops.csa.compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                                    total_comp)

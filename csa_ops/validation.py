@@ -1,0 +1,122 @@
+"""Argument checks shared by both ops, the fakes and the kernels' launch path.
+
+``check_arguments`` reads metadata only, so it runs on fake tensors and never syncs.
+``check_offsets`` reads the offset tensors' contents and is called where that is free (CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+OP = "csa.compressor"
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INT32_MAX = 2**31 - 1
+
+
+def _definitely(condition) -> bool:
+    """True only when ``condition`` holds for sure; unbacked sizes are not guarded on."""
+    return guard_or_false(condition)
+
+
+def _fail(message: str, error=ValueError):
+    raise error(f"{OP}: {message}")
+
+
+def _check_same_device(name: str, tensor: torch.Tensor, kv: torch.Tensor) -> None:
+    if tensor.device != kv.device:
+        _fail(f"`{name}` must be on the device of `kv` ({kv.device}), got {tensor.device}")
+
+
+def _check_offsets_tensor(name: str, tensor: torch.Tensor, kv: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        _fail(f"`{name}` must be a tensor, got {type(tensor).__name__}", TypeError)
+    if tensor.dim() != 1:
+        _fail(f"`{name}` must be 1-D (B+1,), got shape {tuple(tensor.shape)}")
+    if tensor.dtype != torch.int32:
+        _fail(f"`{name}` must be int32, got {tensor.dtype}")
+    if tensor.shape[0] < 1:
+        _fail(f"`{name}` must hold at least one offset (B+1 >= 1), got 0")
+    _check_same_device(name, tensor, kv)
+
+
+def check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
+    """Validate everything that metadata alone decides; return head_dim."""
+    for name, tensor in (("kv", kv), ("score", score), ("ape", ape)):
+        if not isinstance(tensor, torch.Tensor):
+            _fail(f"`{name}` must be a tensor, got {type(tensor).__name__}", TypeError)
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        _fail(f"`ratio` must be an int >= 1, got {ratio!r}")
+    if not isinstance(coff, int) or isinstance(coff, bool) or coff not in (1, 2):
+        _fail(f"`coff` must be 1 or 2, got {coff!r}")
+    if kv.dim() != 2:
+        _fail(f"`kv` must be 2-D (T, coff*head_dim), got shape {tuple(kv.shape)}")
+    if kv.dtype not in FLOAT_DTYPES:
+        _fail(f"`kv` must be one of bfloat16, float16, float32, float64, got {kv.dtype}")
+    width = kv.shape[1]
+    if width < coff or width % coff != 0:
+        _fail(f"`kv` width must be a positive multiple of coff={coff}, got {width}")
+    head_dim = width // coff
+    if score.shape != kv.shape:
+        _fail(f"`score` must have the shape of `kv` {tuple(kv.shape)}, got {tuple(score.shape)}")
+    if score.dtype != kv.dtype:
+        _fail(f"`score` must have the dtype of `kv` ({kv.dtype}), got {score.dtype}")
+    _check_same_device("score", score, kv)
+    if tuple(ape.shape) != (ratio, width):
+        _fail(f"`ape` must have shape (ratio, coff*head_dim) = ({ratio}, {width}), "
+              f"got {tuple(ape.shape)}")
+    allowed_ape = (torch.float32, torch.float64) if kv.dtype == torch.float64 else (torch.float32,)
+    if ape.dtype not in allowed_ape:
+        _fail(f"`ape` must be float32{' or float64' if len(allowed_ape) == 2 else ''}, "
+              f"got {ape.dtype}")
+    _check_same_device("ape", ape, kv)
+    _check_offsets_tensor("cu_seqlens", cu_seqlens, kv)
+    _check_offsets_tensor("cu_seqlens_comp", cu_seqlens_comp, kv)
+    if cu_seqlens.shape[0] != cu_seqlens_comp.shape[0]:
+        _fail(f"`cu_seqlens` and `cu_seqlens_comp` must have the same length B+1, got "
+              f"{cu_seqlens.shape[0]} and {cu_seqlens_comp.shape[0]}")
+    if total_comp is not None:
+        if _definitely(total_comp < 0):
+            _fail(f"`total_comp` must be >= 0 or None, got {total_comp}")
+        if _definitely(total_comp * head_dim > INT32_MAX):
+            _fail(f"`total_comp` * head_dim = {total_comp * head_dim} overflows int32 offsets")
+    if _definitely(kv.shape[0] * width > INT32_MAX):
+        _fail(f"`kv` has {kv.shape[0] * width} elements, which overflows int32 offsets "
+              f"(at most {INT32_MAX})")
+    return head_dim
+
+
+def check_grad_out(grad_out, kv, head_dim: int) -> None:
+    if not isinstance(grad_out, torch.Tensor):
+        _fail(f"`grad_out` must be a tensor, got {type(grad_out).__name__}", TypeError)
+    if grad_out.dim() != 2 or grad_out.shape[1] != head_dim:
+        _fail(f"`grad_out` must be 2-D (rows, head_dim={head_dim}), got {tuple(grad_out.shape)}")
+    if grad_out.dtype != kv.dtype:
+        _fail(f"`grad_out` must have the dtype of `kv` ({kv.dtype}), got {grad_out.dtype}")
+    _check_same_device("grad_out", grad_out, kv)
+    if _definitely(grad_out.shape[0] * head_dim > INT32_MAX):
+        _fail(f"`grad_out` has {grad_out.shape[0] * head_dim} elements, which overflows int32")
+
+
+def check_offsets(cu_seqlens, cu_seqlens_comp, num_tokens: int, ratio: int, total_comp=None):
+    """Content checks of the offsets (host-side tensors only); return the true row count."""
+    cu = cu_seqlens.tolist()
+    cuc = cu_seqlens_comp.tolist()
+    if cu[0] != 0:
+        _fail(f"`cu_seqlens[0]` must be 0, got {cu[0]}")
+    if cuc[0] != 0:
+        _fail(f"`cu_seqlens_comp[0]` must be 0, got {cuc[0]}")
+    for s in range(len(cu) - 1):
+        length = cu[s + 1] - cu[s]
+        if length < 0:
+            _fail(f"`cu_seqlens` must be non-decreasing, got {cu[s]} then {cu[s + 1]} at {s}")
+        rows = cuc[s + 1] - cuc[s]
+        if rows != length // ratio:
+            _fail(f"`cu_seqlens_comp` must count len // ratio rows per segment: segment {s} has "
+                  f"{length} tokens, so {length // ratio} rows at ratio {ratio}, got {rows}")
+    if cu[-1] > num_tokens:
+        _fail(f"`cu_seqlens[-1]` = {cu[-1]} exceeds the number of tokens T = {num_tokens}")
+    if total_comp is not None and total_comp < cuc[-1]:
+        _fail(f"`total_comp` = {total_comp} is smaller than the true row count "
+              f"cu_seqlens_comp[-1] = {cuc[-1]}")
+    return cuc[-1]

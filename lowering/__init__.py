@@ -1,0 +1,1 @@
+"""Inductor integration of csa::compressor (imported by csa_ops when available)."""
