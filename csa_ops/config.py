@@ -1,0 +1,104 @@
+"""Launch configuration of the compressor kernels: the frozen compile key and its heuristics.
+
+A `KernelKey` names everything that changes generated code (family, ratio, coff, head_dim,
+dtype, target arch) plus the launch knobs a family reads (vector width, CTA size, extras).
+Keys are pure data: the same key always compiles to the same kernel on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = ("bfloat16", "float16", "float32")
+ARCHS = ("sm_90a", "sm_100a")
+ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Largest window (coff * ratio) the register-window family keeps in registers; larger
+# windows go to the streaming family.
+WINDOW_MAX = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """Compile key. `vec` elements per thread access, `threads` per CTA, `knobs` extras."""
+
+    family: str
+    ratio: int
+    coff: int
+    head_dim: int
+    dtype: str
+    arch: str
+    vec: int = 1
+    threads: int = 128
+    knobs: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KernelKey.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"KernelKey.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.ratio < 1 or self.coff not in (1, 2) or self.head_dim < 1:
+            raise ValueError(
+                f"KernelKey needs ratio >= 1, coff in (1, 2), head_dim >= 1; got ratio="
+                f"{self.ratio}, coff={self.coff}, head_dim={self.head_dim}"
+            )
+        if self.head_dim % self.vec or self.vec < 1:
+            raise ValueError(f"KernelKey.vec={self.vec} must divide head_dim={self.head_dim}")
+
+    @property
+    def window(self) -> int:
+        return self.coff * self.ratio
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def align_bytes(self) -> int:
+        """Base-pointer alignment the kernel assumes for kv/score/out/grad tensors."""
+        return self.vec * self.elem_bytes
+
+    def knob(self, name: str, default: int) -> int:
+        return dict(self.knobs).get(name, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """Per-call launch shape: CTAs in the grid and fp32 scratch elements the launch needs."""
+
+    grid: int
+    workspace: int = 0
+
+
+def widest_vec(head_dim: int, elem_bytes: int, max_elems: int) -> int:
+    """Largest power of two dividing head_dim, at most 16 bytes and at most max_elems."""
+    vec = 1
+    while (
+        head_dim % (vec * 2) == 0 and (vec * 2) * elem_bytes <= 16 and vec * 2 <= max_elems
+    ):
+        vec *= 2
+    return vec
+
+
+def window_key(
+    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
+) -> KernelKey:
+    """Heuristic key for the register-window family.
+
+    A thread holds window * vec inputs of kv and of score in registers (forward: up to 128),
+    and the backward also window * vec fp32 grad_ape partials (up to 64), so wide windows
+    trade vector width for registers.
+    """
+    window = coff * ratio
+    budget = 64 if backward else 128
+    vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, budget // window))
+    return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=128)
+
+
+def enumerate_window_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str):
+    """All keys worth timing for one problem (autotuning enumerator)."""
+    eb = ELEM_BYTES[dtype]
+    vmax = widest_vec(head_dim, eb, 16)
+    vecs = [v for v in (1, 2, 4, 8, 16) if v <= vmax]
+    for vec in vecs:
+        for threads in (64, 128, 256):
+            yield KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=threads)

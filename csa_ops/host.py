@@ -1,0 +1,326 @@
+"""Launch path of the CuTe-DSL compressor kernels: family choice, one compile cache, launch.
+
+`supports`, `compressor_forward`, `compressor_backward` and `precompile` are what ops.py
+calls. A kernel family is a module in csa_ops/kernels/ that satisfies `KernelFamily` below
+("window" for coff*ratio <= config.WINDOW_MAX, else "streaming"); host.py owns everything
+torch-side (allocation, alignment checks, pointers, stream) and the compile cache, keyed on
+the frozen `config.KernelKey`. Compiles are pure functions of the key, so `arch="sm_100a"`
+cross-compiles on a machine without that GPU (or without any GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from typing import Any, Callable, Protocol
+
+import torch
+
+from . import config
+from .config import KernelKey, LaunchPlan
+
+_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_FAMILY_MODULES = {"window": "csa_ops.kernels.window", "streaming": "csa_ops.kernels.streaming"}
+
+
+class KernelFamily(Protocol):
+    """What a family module exposes (all pure functions of their arguments).
+
+    configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey
+        Heuristic key (launch knobs filled in) for one direction; dtype/arch as in config.
+    supports(key) -> bool
+        Whether this family compiles `key` (cheap, no device access).
+    compile_forward(key) / compile_backward(key) -> compiled callable
+        JIT from fake pointers for key.arch. Runtime arguments, in order (pointers are
+        cute.runtime.make_ptr(gmem, assumed_align=key.align_bytes for the dtype tensors,
+        16 for ape/grad_ape/workspace, 4 for cu/cuc); scalars are cutlass.Int32):
+          fwd: kv, score, ape, cu, cuc, out, workspace, num_tokens, num_rows, num_segs, grid,
+               stream
+          bwd: grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape, workspace,
+               num_tokens, num_rows, num_segs, grid, stream
+        num_rows = out.shape[0] (may exceed cuc[-1]); num_segs = cu.numel() - 1. Every output
+        element must be written (outputs come from torch.empty), no float atomics, no read
+        or write out of bounds for any cu/cuc contents.
+    plan_forward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
+    plan_backward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
+        Grid size and fp32 workspace elements. Workspace content is undefined on entry; a
+        family that needs it zeroed zeroes it inside its own launches (CUDA-graph safe).
+    """
+
+    def configure(
+        self, ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
+    ) -> KernelKey: ...
+    def supports(self, key: KernelKey) -> bool: ...
+    def compile_forward(self, key: KernelKey) -> Callable[..., Any]: ...
+    def compile_backward(self, key: KernelKey) -> Callable[..., Any]: ...
+    def plan_forward(self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan: ...  # noqa: E501
+    def plan_backward(self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan: ...  # noqa: E501
+
+
+# ---------------------------------------------------------------------------------------
+# Family choice
+
+
+def _family(name: str) -> KernelFamily | None:
+    try:
+        return importlib.import_module(_FAMILY_MODULES[name])  # type: ignore[return-value]
+    except ImportError:
+        return None
+
+
+def select_key(
+    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
+) -> KernelKey | None:
+    """The key that would run this problem, or None when no family supports it."""
+    names = ("window", "streaming") if coff * ratio <= config.WINDOW_MAX else ("streaming",)
+    for name in names:
+        fam = _family(name)
+        if fam is None:
+            continue
+        key = fam.configure(ratio, coff, head_dim, dtype, arch, backward)
+        if fam.supports(key):
+            return key
+    return None
+
+
+def device_arch(device: torch.device | int | None = None) -> str | None:
+    """Compile target for a CUDA device, or None when no kernel targets it."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return {(9, 0): "sm_90a", (10, 0): "sm_100a"}.get((major, minor))
+
+
+_NUM_SMS: dict[int, int] = {}
+_ARCH_OF: dict[int, str | None] = {}
+
+
+def _device_info(dev: torch.device) -> tuple[str | None, int]:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _ARCH_OF:
+        _ARCH_OF[idx] = device_arch(idx)
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _ARCH_OF[idx], _NUM_SMS[idx]
+
+
+# ---------------------------------------------------------------------------------------
+# Compile cache
+
+
+class _CompileCache:
+    """One cache for all families and directions, guarded against double compiles."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, KernelKey], Any] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, direction: str, key: KernelKey) -> Any:
+        entry = self._entries.get((direction, key))
+        if entry is not None:
+            self.hits += 1
+            return entry
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"csa_ops: the {direction} kernel for {key} is not compiled and a CUDA graph "
+                f"capture is active, where JIT is not allowed. Call csa_ops.precompile("
+                f"ratio={key.ratio}, head_dim={key.head_dim}, coff={key.coff}, dtype=torch."
+                f"{key.dtype}) (or run the op once eagerly) before capturing."
+            )
+        with self._lock:
+            entry = self._entries.get((direction, key))
+            if entry is None:
+                fam = _family(key.family)
+                if fam is None:
+                    raise RuntimeError(f"csa_ops: kernel family {key.family!r} is unavailable")
+                compile_fn = fam.compile_forward if direction == "fwd" else fam.compile_backward
+                entry = compile_fn(key)
+                self._entries[(direction, key)] = entry
+                self.misses += 1
+            else:
+                self.hits += 1
+        return entry
+
+    def info(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "size": len(self._entries)}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+
+_CACHE = _CompileCache()
+cache_info = _CACHE.info
+cache_clear = _CACHE.clear
+
+
+def precompile(
+    ratio: int,
+    head_dim: int,
+    coff: int,
+    dtype: torch.dtype = torch.bfloat16,
+    arch: str | None = None,
+) -> list[KernelKey]:
+    """Compile forward and backward kernels for one configuration; returns their keys.
+
+    arch None means the current CUDA device; "sm_90a"/"sm_100a" cross-compile without a GPU.
+    """
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"precompile: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype}")
+    if arch is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("precompile: no CUDA device; pass arch='sm_90a' or 'sm_100a'")
+        arch = device_arch()
+        if arch is None:
+            raise RuntimeError(
+                f"precompile: no kernel targets compute capability "
+                f"{torch.cuda.get_device_capability()}; supported: {config.ARCHS}"
+            )
+    if arch not in config.ARCHS:
+        raise ValueError(f"precompile: arch must be one of {config.ARCHS}, got {arch!r}")
+    keys = []
+    for direction, backward in (("fwd", False), ("bwd", True)):
+        key = select_key(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, backward)
+        if key is None:
+            raise ValueError(
+                f"precompile: no kernel family supports ratio={ratio}, coff={coff}, "
+                f"head_dim={head_dim}, dtype={dtype}"
+            )
+        _CACHE.get(direction, key)
+        keys.append(key)
+    return keys
+
+
+# ---------------------------------------------------------------------------------------
+# Per-call path (inputs arrive validated and contiguous from ops.py)
+
+_KEYS: dict[tuple, KernelKey | None] = {}
+
+
+def _key_for(
+    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
+) -> KernelKey | None:
+    memo = (ratio, coff, head_dim, dtype, arch, backward)
+    if memo not in _KEYS:
+        _KEYS[memo] = select_key(ratio, coff, head_dim, dtype, arch, backward)
+    return _KEYS[memo]
+
+
+def supports(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu: torch.Tensor,
+    cuc: torch.Tensor,
+    ratio: int,
+    coff: int,
+) -> bool:
+    """Whether the CUDA kernels run this call (dtypes, device arch, a family for the shape)."""
+    if not kv.is_cuda or kv.dtype not in _TORCH_DTYPES or score.dtype != kv.dtype:
+        return False
+    if ape.dtype != torch.float32 or cu.dtype != torch.int32 or cuc.dtype != torch.int32:
+        return False
+    if kv.dim() != 2 or kv.shape[1] % coff or kv.shape[1] == 0 or cu.numel() < 1:
+        return False
+    arch, _ = _device_info(kv.device)
+    if arch is None:
+        return False
+    dtype = _TORCH_DTYPES[kv.dtype]
+    head_dim = kv.shape[1] // coff
+    return all(_key_for(ratio, coff, head_dim, dtype, arch, b) is not None for b in (0, 1))
+
+
+def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
+    # A contiguous view can start at any element; the kernels assume aligned vectors.
+    return t if t.data_ptr() % align == 0 else t.clone()
+
+
+_CUTE_TYPES: dict[torch.dtype, Any] = {}
+
+
+def _ptr(t: torch.Tensor, align: int) -> Any:
+    from cutlass.cute.runtime import make_ptr
+
+    from cutlass import cute
+
+    if not _CUTE_TYPES:
+        import cutlass
+
+        _CUTE_TYPES.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32})
+    return make_ptr(_CUTE_TYPES[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, align)
+
+
+def _launch(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes: list) -> None:
+    """args: (tensor, kind) with kind 'data' (key dtype), 'f32' (ape, grad_ape) or 'idx'."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    compiled = _CACHE.get(direction, key)
+    dev = args[0][0].device
+    work = torch.empty(max(plan.workspace, 4), dtype=torch.float32, device=dev)
+    aligns = {"data": key.align_bytes, "f32": 16, "idx": 4}
+    ptrs = [_ptr(t, aligns[kind]) for t, kind in [*args, (work, "f32")]]
+    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+    compiled(*ptrs, *(cutlass.Int32(s) for s in sizes), cutlass.Int32(plan.grid), stream)
+
+
+def compressor_forward(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu: torch.Tensor,
+    cuc: torch.Tensor,
+    ratio: int,
+    coff: int,
+    total_comp: int,
+) -> torch.Tensor:
+    """out (total_comp, head_dim): every row written, padding rows n >= cuc[-1] as zeros."""
+    head_dim = kv.shape[1] // coff
+    out = torch.empty((total_comp, head_dim), dtype=kv.dtype, device=kv.device)
+    if total_comp == 0:
+        return out
+    arch, num_sms = _device_info(kv.device)
+    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[kv.dtype], arch, False)
+    if key is None:
+        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} d={head_dim}")
+    fam = _family(key.family)
+    plan = fam.plan_forward(key, kv.shape[0], total_comp, num_sms)
+    kv, score = _aligned(kv, key.align_bytes), _aligned(score, key.align_bytes)
+    ape = _aligned(ape, 16)
+    sizes = [kv.shape[0], total_comp, cu.numel() - 1]
+    args = [(kv, "data"), (score, "data"), (ape, "f32"), (cu, "idx"), (cuc, "idx"), (out, "data")]
+    _launch("fwd", key, plan, args, sizes)
+    return out
+
+
+def compressor_backward(
+    grad_out: torch.Tensor,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu: torch.Tensor,
+    cuc: torch.Tensor,
+    ratio: int,
+    coff: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_kv, grad_score, grad_ape); never-consumed elements are exact zeros."""
+    num_tokens, width = kv.shape
+    head_dim = width // coff
+    grad_kv = torch.empty_like(kv)
+    grad_score = torch.empty_like(score)
+    grad_ape = torch.empty((ratio, width), dtype=torch.float32, device=kv.device)
+    arch, num_sms = _device_info(kv.device)
+    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[kv.dtype], arch, True)
+    if key is None:
+        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} d={head_dim}")
+    fam = _family(key.family)
+    num_rows = grad_out.shape[0]
+    plan = fam.plan_backward(key, num_tokens, num_rows, num_sms)
+    a = key.align_bytes
+    grad_out, kv, score = _aligned(grad_out, a), _aligned(kv, a), _aligned(score, a)
+    ape = _aligned(ape, 16)
+    args = [(grad_out, "data"), (kv, "data"), (score, "data"), (ape, "f32"), (cu, "idx"),
+            (cuc, "idx"), (grad_kv, "data"), (grad_score, "data"), (grad_ape, "f32")]
+    _launch("bwd", key, plan, args, [num_tokens, num_rows, cu.numel() - 1])
+    return grad_kv, grad_score, grad_ape
