@@ -9,6 +9,13 @@ from . import meta  # noqa: F401  (registers the fake kernels)
 from .module import Compressor, offsets_for
 from .ops import compressor
 
+try:
+    from . import lowering  # noqa: F401  (Inductor integration; version-gated inside)
+except ImportError as error:  # the op works without it, only unfused under torch.compile
+    import warnings
+
+    warnings.warn(f"csa_ops.lowering unavailable ({error}); torch.compile uses the extern op")
+
 __version__ = "0.1.0"
 
 
