@@ -1,0 +1,29 @@
+"""Fixtures shared by the test suite (no expecttest import: the GPU machine lacks it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import csa_ops  # noqa: F401  (registers torch.ops.csa.*)
+
+
+@pytest.fixture
+def compile_env():
+    """Fresh dynamo state and no Inductor caches: a cache hit could hand back code compiled
+    before a decomposition or lowering was registered (LOWERING.md Q3)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def deterministic():
+    previous = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=warn_only)

@@ -1,0 +1,252 @@
+"""csa::compressor forward and backward on CPU against the independent eager model.
+
+fp64 must agree to a few ulps; fp32 within a summation-order bound that grows with the
+window; bf16 reference within one bf16 rounding of an fp64 oracle.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import (
+    EPS,
+    MATRIX,
+    PackSpec,
+    assert_bitwise_equal,
+    eager_compressor,
+    eager_forward_backward,
+    make_pack,
+    op_forward_backward,
+    spec_params,
+    sum_tolerance,
+    tokens_beyond_cu,
+    ulp,
+    window,
+)
+
+from csa_ops import reference
+
+NAMES = ("out", "grad_kv", "grad_score", "grad_ape")
+
+
+def _scales(pack, grad_out):
+    """Magnitude each output is built from: values for out, values*grad for the grads."""
+    value = float(pack.kv.abs().max()) if pack.kv.numel() else 1.0
+    grad = float(grad_out.abs().max()) if grad_out.numel() else 1.0
+    return value, grad * max(value, 1.0), grad * max(value, 1.0), grad * max(value, 1.0)
+
+
+def _assert_close_to_eager(pack, total_comp, dtype):
+    grad_out = pack.grad_out(total_comp)
+    actual = op_forward_backward(pack, grad_out, total_comp)
+    expected = eager_forward_backward(pack, grad_out, total_comp)
+    rows = max(pack.rows(total_comp), 1)
+    terms = (window(pack), window(pack), window(pack), window(pack) * (rows + 1))
+    for name, a, e, scale, n in zip(NAMES, actual, expected, _scales(pack, grad_out), terms):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        tol = sum_tolerance(dtype, n, scale)
+        torch.testing.assert_close(a, e, rtol=0, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("spec", spec_params(MATRIX))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_matches_eager_static_capacity(spec, dtype):
+    _assert_close_to_eager(make_pack(spec, dtype), "capacity", dtype)
+
+
+@pytest.mark.parametrize("spec", spec_params(MATRIX[::3]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_matches_eager_true_count(spec, dtype):
+    _assert_close_to_eager(make_pack(spec, dtype), None, dtype)
+
+
+def test_fp64_bound_is_tight():
+    # Guards the tolerance helper itself: fp64 at window 8 must be judged at ~1e-14.
+    assert sum_tolerance(torch.float64, 8, 1.0) < 1e-13
+
+
+@pytest.mark.parametrize("spec", spec_params(MATRIX[2::2]))
+def test_bf16_reference_within_one_rounding_of_fp64_oracle(spec):
+    pack = make_pack(spec, torch.bfloat16)
+    grad_out = pack.grad_out()
+    actual = op_forward_backward(pack, grad_out)
+    oracle = eager_forward_backward(pack, grad_out, dtype=torch.float64)
+    scales = _scales(pack, grad_out)
+    for name, a, o, scale in zip(NAMES[:3], actual, oracle, scales):
+        assert a.dtype == torch.bfloat16, name
+        # One bf16 rounding of a value that carries fp32 error (window-length sums).
+        bound = ulp(o, torch.bfloat16) + sum_tolerance(torch.float32, window(pack), scale)
+        err = (a.double() - o).abs()
+        assert bool((err <= bound).all()), f"{name}: max excess {float((err - bound).max())}"
+    rows = pack.spec.capacity
+    ape_tol = sum_tolerance(torch.float32, window(pack) * (rows + 1), scales[3])
+    torch.testing.assert_close(actual[3].double(), oracle[3], rtol=0, atol=ape_tol)
+
+
+@pytest.mark.parametrize("spec", spec_params(MATRIX[4:8]))
+def test_library_oracle_agrees_with_independent_fp64(spec):
+    pack = make_pack(spec, torch.bfloat16)
+    oracle = reference.compressor_oracle(*pack.args())
+    independent = eager_compressor(*(t.double() for t in pack.tensors()[:3]),
+                                   *pack.args()[3:])
+    torch.testing.assert_close(oracle, independent, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=["fp16", "bf16", "fp32", "fp64"])
+def test_every_dtype_runs_and_matches_eager(dtype):
+    pack = make_pack(MATRIX[6], dtype)
+    grad_out = pack.grad_out()
+    actual = op_forward_backward(pack, grad_out)
+    expected = eager_forward_backward(pack, grad_out)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert a.dtype == e.dtype, name
+        # Same fp32 (fp64) intermediates up to order: at most one output rounding apart.
+        tol = 2 * EPS[a.dtype] * float(e.abs().max()) + sum_tolerance(torch.float32, 64, 8.0)
+        torch.testing.assert_close(a, e, rtol=0, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+    assert actual[3].dtype == torch.float32
+
+
+def test_fp64_inputs_accept_fp64_ape():
+    pack = make_pack(MATRIX[9], torch.float64, ape_dtype=torch.float64)
+    grad_out = pack.grad_out()
+    actual = op_forward_backward(pack, grad_out)
+    expected = eager_forward_backward(pack, grad_out)
+    assert actual[3].dtype == torch.float64
+    for name, a, e in zip(NAMES, actual, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("spec", spec_params(MATRIX[::2]))
+def test_padding_rows_are_zero_and_ignore_their_grads(spec):
+    pack = make_pack(spec)
+    true_rows = spec.true_rows
+    grad_out = pack.grad_out()
+    out, *grads = op_forward_backward(pack, grad_out)
+    assert bool((out[true_rows:] == 0).all()) and not torch.signbit(out[true_rows:]).any()
+    # Huge and NaN gradients on padding rows must not leak anywhere.
+    poisoned = grad_out.clone()
+    poisoned[true_rows:] = float("nan")
+    if spec.extra_rows > 1:
+        poisoned[true_rows] = 1e30
+    _, *poisoned_grads = op_forward_backward(pack, poisoned)
+    for name, a, b in zip(NAMES[1:], grads, poisoned_grads):
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("spec", spec_params([s for s in MATRIX if s.extra_tokens]))
+def test_tokens_beyond_cu_get_exact_zero_grads_and_are_never_read(spec):
+    pack = make_pack(spec)
+    grad_out = pack.grad_out()
+    out, grad_kv, grad_score, _ = op_forward_backward(pack, grad_out)
+    beyond = tokens_beyond_cu(pack)
+    assert bool((grad_kv[beyond] == 0).all()) and bool((grad_score[beyond] == 0).all())
+    pack.kv.data[beyond] = float("nan")
+    pack.score.data[beyond] = float("inf")
+    poisoned = op_forward_backward(pack, grad_out)
+    for name, a, b in zip(NAMES, (out, grad_kv, grad_score), poisoned):
+        if name == "out":
+            assert_bitwise_equal(b, a, name)
+        else:
+            assert_bitwise_equal(b[: beyond.start], a[: beyond.start], name)
+
+
+def test_tails_short_and_empty_segments_get_zero_grads():
+    spec = PackSpec((6, 0, 3, 9), ratio=4, coff=2, head_dim=5)
+    pack = make_pack(spec)
+    _, grad_kv, grad_score, _ = op_forward_backward(pack, pack.grad_out())
+    # A block's first half feeds the next block, its second half its own. Never consumed:
+    # tails (4, 5, 17), the short segment (6..8), and the first half of each segment's
+    # last block (0..3, 13..16).
+    unused_all = [4, 5, 6, 7, 8, 17]
+    unused_first_half = [0, 1, 2, 3, 13, 14, 15, 16]
+    for grad in (grad_kv, grad_score):
+        assert bool((grad[unused_all] == 0).all())
+        assert bool((grad[unused_first_half, :5] == 0).all())
+        assert bool((grad[[0, 1, 2, 3], 5:] != 0).all())
+    # Block 0 of segment 3 (tokens 9..12) feeds block 1's window with its first half.
+    assert bool((grad_kv[9:13, :5] != 0).all())
+
+
+def _relayout(t, layout):
+    """The same values in a non-contiguous view; the gaps hold NaN so a stride bug shows."""
+    if layout == "column_slice":
+        wide = torch.full((t.shape[0], 2 * t.shape[1]), float("nan"), dtype=t.dtype)
+        wide[:, ::2] = t
+        return wide[:, ::2]
+    if layout == "row_stride":
+        tall = torch.full((2 * t.shape[0], t.shape[1]), float("nan"), dtype=t.dtype)
+        tall[::2] = t
+        return tall[::2]
+    return t.t().contiguous().t()
+
+
+@pytest.mark.parametrize("layout", ["column_slice", "row_stride", "transposed"])
+def test_non_contiguous_inputs_give_the_contiguous_result(layout):
+    pack = make_pack(MATRIX[6])
+    grad_out = pack.grad_out()
+    expected = op_forward_backward(pack, grad_out)
+    # Views of tensors without grad are leaves, so they can require grad as they are.
+    kv, score, ape = (_relayout(t, layout).requires_grad_(True)
+                      for t in (pack.kv, pack.score, pack.ape))
+    cu = torch.stack([pack.cu_seqlens, pack.cu_seqlens], dim=1)[:, 0]
+    cuc = torch.stack([pack.cu_seqlens_comp, pack.cu_seqlens_comp], dim=1)[:, 0]
+    assert not any(t.is_contiguous() for t in (kv, score, ape, cu, cuc))
+    out = torch.ops.csa.compressor(kv, score, ape, cu, cuc, pack.ratio, pack.coff,
+                                   pack.spec.capacity)
+    grads = torch.autograd.grad(out, (kv, score, ape), _relayout(grad_out, layout))
+    for name, a, e in zip(NAMES, (out, *grads), expected):
+        assert_bitwise_equal(a.detach().contiguous(), e, name)
+
+
+@pytest.mark.parametrize("spec", spec_params([MATRIX[6], MATRIX[10]]))
+def test_bitwise_deterministic_under_deterministic_algorithms(spec, deterministic):
+    pack = make_pack(spec, torch.bfloat16)
+    grad_out = pack.grad_out()
+    first = op_forward_backward(pack, grad_out)
+    second = op_forward_backward(pack, grad_out)
+    for name, a, b in zip(NAMES, first, second):
+        assert_bitwise_equal(a, b, name)
+
+
+def test_overflowing_logits_give_nan_not_clean_values():
+    pack = make_pack(PackSpec((8,), ratio=4, coff=1, head_dim=3))
+    pack.score.data[1, 0] = float("inf")
+    pack.score.data[5, 1] = float("nan")
+    out = torch.ops.csa.compressor(*pack.args())
+    expected = eager_compressor(*pack.args())
+    assert bool(torch.isnan(out[0, 0])) and bool(torch.isnan(out[1, 1]))
+    assert_bitwise_equal(torch.isnan(out), torch.isnan(expected), "nan pattern")
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param(PackSpec((3, 0, 5), 1, 1, 2, extra_tokens=1, extra_rows=1), id="r1_c1"),
+    pytest.param(PackSpec((5, 0, 1, 6), 2, 2, 3, extra_tokens=2, extra_rows=2), id="r2_c2"),
+    pytest.param(PackSpec((7, 2, 6), 3, 2, 1, extra_rows=1), id="r3_c2_d1"),
+    pytest.param(PackSpec((9, 3, 0, 8), 4, 1, 2, extra_tokens=1), id="r4_c1"),
+    pytest.param(PackSpec((33, 5), 16, 2, 1, extra_rows=1), id="r16_c2"),
+    pytest.param(PackSpec((257, 0), 128, 1, 1, extra_tokens=1), id="r128_c1"),
+])
+@pytest.mark.parametrize("total_comp", ["capacity", None])
+def test_gradcheck_fp64(spec, total_comp):
+    pack = make_pack(spec, torch.float64, ape_dtype=torch.float64)
+    tc = spec.capacity if total_comp == "capacity" else None
+
+    def fn(kv, score, ape):
+        return torch.ops.csa.compressor(kv, score, ape, pack.cu_seqlens, pack.cu_seqlens_comp,
+                                        spec.ratio, spec.coff, tc)
+
+    assert torch.autograd.gradcheck(fn, pack.leaves())
+
+
+def test_reference_speed_3x8192_d512_r4_c2():
+    spec = PackSpec((8192, 8192, 8192), ratio=4, coff=2, head_dim=512)
+    pack = make_pack(spec, torch.bfloat16)
+    grad_out = pack.grad_out()
+    start = time.perf_counter()
+    out, *_ = op_forward_backward(pack, grad_out)
+    elapsed = time.perf_counter() - start
+    assert out.shape == (spec.capacity, 512)
+    assert elapsed < 30.0, f"CPU reference fwd+bwd took {elapsed:.1f} s"
