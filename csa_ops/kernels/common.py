@@ -1,0 +1,142 @@
+"""Device helpers shared by the compressor kernel families (CuTe DSL, arch-generic).
+
+Segment lookups clamp every index they load, so no content of cu_seqlens / cu_seqlens_comp
+(non-monotonic, negative, past the token count) can move an access out of bounds. Float
+helpers pin IEEE round-to-nearest per operation: the kernels must reproduce the reference
+bit for bit, and an FMA contracted by the compiler would change the rounding.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+from cutlass._mlir_helpers.math import RoundingMode
+
+_RN = RoundingMode.NEAREST_EVEN
+
+
+@cute.jit
+def add_rn(a: Float32, b: Float32) -> Float32:
+    return cute.math.add(a, b, rounding=_RN)
+
+
+@cute.jit
+def sub_rn(a: Float32, b: Float32) -> Float32:
+    # a - b == a + (-b) exactly (same rounding, same zero signs); the DSL's sub has no
+    # rounding pin, and an unpinned sub after a mul may be contracted into an FMA.
+    return cute.math.add(a, -b, rounding=_RN)
+
+
+@cute.jit
+def mul_rn(a: Float32, b: Float32) -> Float32:
+    return cute.math.mul(a, b, rounding=_RN)
+
+
+@cute.jit
+def div_rn(a: Float32, b: Float32) -> Float32:
+    return cute.math.div(a, b, rounding=_RN)
+
+
+@cute.jit
+def max_nan(a: Float32, b: Float32) -> Float32:
+    # torch.amax propagates NaN; max.f32 would drop it.
+    return cute.math.max(a, b, propagate_nan=True)
+
+
+@cute.jit
+def exp_accurate(x: Float32) -> Float32:
+    # Lowers to libdevice expf (what torch.exp uses on CUDA), not ex2.approx.
+    return cute.math.exp(x)
+
+
+@cute.jit
+def count_le(arr: cute.Tensor, count: Int32, value: Int32) -> Int32:
+    """Binary search: how many of arr[0:count] are <= value (arr sorted ascending).
+
+    Every probe index lies in [0, count), whatever the contents of arr.
+    """
+    lo = Int32(0)
+    n = count
+    while n > 0:
+        half = n // 2
+        if arr[lo + half] <= value:
+            lo = lo + half + 1
+            n = n - half - 1
+        else:
+            n = half
+    return lo
+
+
+@cute.jit
+def locate_row(
+    cu: cute.Tensor,
+    cuc: cute.Tensor,
+    num_segs: Int32,
+    num_tokens: Int32,
+    n: Int32,
+    ratio: cutlass.Constexpr[int],
+):
+    """(valid, t0, first_block) of output row n.
+
+    valid needs n inside its segment's row range and the row's `ratio` tokens inside both
+    the segment and [0, num_tokens); t0 is then the row's first own token.
+    """
+    s = count_le(cuc, num_segs, n) - 1
+    valid = Boolean(False)
+    t0 = Int32(0)
+    first = Boolean(False)
+    if s >= 0:
+        c0 = cuc[s]
+        c1 = cuc[s + 1]
+        u0 = cu[s]
+        u1 = cu[s + 1]
+        if c0 <= n and n < c1 and u0 >= 0:
+            block = Int64(n) - Int64(c0)
+            end = Int64(u0) + (block + 1) * ratio
+            if end <= Int64(u1) and end <= Int64(num_tokens):
+                valid = Boolean(True)
+                t0 = Int32(end - ratio)
+                first = block == 0
+    return valid, t0, first
+
+
+@cute.jit
+def token_bounds(
+    cu: cute.Tensor,
+    cuc: cute.Tensor,
+    num_segs: Int32,
+    num_tokens: Int32,
+    num_rows: Int32,
+    t: Int32,
+    ratio: cutlass.Constexpr[int],
+):
+    """(seg_end, own_from, prev_from) for token t: the exact mirror of locate_row.
+
+    Tokens u in [t, seg_end) share t's segment; there, u's own-block columns feed no row iff
+    u >= own_from, and its previous-half columns (coff 2) feed no row iff u >= prev_from.
+    A token outside every segment gets (t + 1, t, t): nothing of it is consumed.
+    """
+    seg_end = t + 1
+    own_from = t
+    prev_from = t
+    s = count_le(cu, num_segs, t) - 1
+    if s >= 0:
+        u0 = cu[s]
+        u1 = cu[s + 1]
+        if u0 >= 0 and u0 <= t and t < u1:
+            end = cutlass.min(u1, num_tokens)
+            c0 = Int64(cuc[s])
+            blocks = cutlass.min(Int64(cuc[s + 1]) - c0, Int64((end - u0) // ratio))
+            blocks = cutlass.min(blocks, Int64(num_rows) - c0)
+            blocks = cutlass.max(blocks, Int64(0))
+            seg_end = end
+            own_from = u0 + Int32(blocks) * ratio
+            prev_from = own_from - ratio
+    return seg_end, own_from, prev_from
+
+
+@cute.jit
+def pick(cond: cutlass.Boolean, a: Float32, b: Float32) -> Float32:
+    """cond ? a : b without a branch."""
+    return Float32(cutlass.select_(cond, a, b))

@@ -1,0 +1,374 @@
+"""Register-window compressor kernels: the whole coff*ratio window of a row lives in registers.
+
+Thread = (output row, vector of `vec` columns); a CTA is rows x column-vectors with ~128
+contiguous bytes per row. Forward: one pass, padding and invalid rows written as zeros.
+Backward: a grid-stride loop over "slots"; slot i is row i (its window's grads, disjoint
+stores) plus token chunk [i*ratio, (i+1)*ratio), whose never-consumed elements it zeroes.
+grad_ape: per-thread fp32 partials in registers, a fixed-order CTA reduction to one partial
+per CTA in the workspace, then a second kernel that sums the partials in a fixed order.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass.cute.runtime import make_ptr
+from cutlass.memory import SmemAllocator
+
+from ..config import KernelKey, LaunchPlan, window_key
+from . import common as cm
+
+_DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
+_CTAS_PER_SM = 4  # backward grid-stride target; more CTAs only add grad_ape partials
+_FIN_SPLIT = 32  # finalize: warps per CTA, each summing every 32nd partial
+
+
+def configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey:
+    return window_key(ratio, coff, head_dim, dtype, arch, backward)
+
+
+def supports(key: KernelKey) -> bool:
+    from ..config import WINDOW_MAX
+
+    return key.family == "window" and key.window <= WINDOW_MAX and key.head_dim % key.vec == 0
+
+
+class _Geometry:
+    """Static CTA shape of a key."""
+
+    def __init__(self, key: KernelKey) -> None:
+        self.R, self.C, self.D, self.V = key.ratio, key.coff, key.head_dim, key.vec
+        self.W = self.R * self.C
+        self.dtype = _DTYPES[key.dtype]
+        self.tpr = self.D // self.V
+        cvc = min(self.tpr, max(1, 128 // (self.V * key.elem_bytes)))
+        self.ny = -(-self.tpr // cvc)
+        self.cvc = -(-self.tpr // self.ny)
+        self.rpc = max(1, key.threads // self.cvc)
+        self.threads = self.cvc * self.rpc
+        self.ragged_cols = self.cvc * self.ny != self.tpr
+        self.E = self.R * self.C * self.D  # grad_ape elements
+        # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
+        self.entries = []
+        for k in range(self.W):
+            if self.C == 1:
+                self.entries.append((k, 0, k * self.D, False))
+            elif k < self.R:
+                self.entries.append((k - self.R, 0, k * 2 * self.D, True))
+            else:
+                self.entries.append((k - self.R, self.D, (k - self.R) * 2 * self.D + self.D, False))
+
+
+def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    g = _Geometry(key)
+    return LaunchPlan(grid=max(1, -(-num_rows // g.rpc)))
+
+
+def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    g = _Geometry(key)
+    slots = max(-(-num_tokens // g.R), num_rows)
+    grid = max(1, min(-(-slots // g.rpc), max(1, num_sms * _CTAS_PER_SM // g.ny)))
+    return LaunchPlan(grid=grid, workspace=grid * g.E)
+
+
+# ---------------------------------------------------------------------------------------
+# Device code
+
+
+def _probs(g, rKV, rS, sApe, i, cvl, first):
+    """Softmax over the window for column i, in the reference's exact operation order.
+
+    Entries of block b-1 of a first block are the reference's constants: logit -inf.
+    """
+    logits = []
+    for k in range(g.W):
+        lk = cm.add_rn(Float32(rS[i, k]), sApe[k, cvl * g.V + i])
+        if g.entries[k][3]:
+            lk = cm.pick(first, Float32(float("-inf")), lk)
+        logits.append(lk)
+    m = logits[0]
+    for k in range(1, g.W):
+        m = cm.max_nan(m, logits[k])
+    e = [cm.exp_accurate(cm.sub_rn(lk, m)) for lk in logits]
+    s = e[0]
+    for k in range(1, g.W):
+        s = cm.add_rn(s, e[k])
+    p = [cm.div_rn(ek, s) for ek in e]
+    v = [Float32(rKV[i, k]) for k in range(g.W)]
+    return p, v
+
+
+def _window_io(g: _Geometry):
+    """Window load/store helpers for one geometry (closures: the DSL traces them inline)."""
+
+    @cute.jit
+    def load(p_kv, p_score, rKV, rS, t0, first, cv):
+        # Entries of block b-1 of a first block read nothing: value 0 (the reference's).
+        base = Int64(t0) * (g.C * g.D) + cv * g.V
+        for k in cutlass.range_constexpr(g.W):
+            tok, col, _, needs_prev = g.entries[k]
+            off = cute.assume(base + (tok * g.C * g.D + col), divby=g.V)
+            if cutlass.const_expr(needs_prev):
+                if first:
+                    for i in cutlass.range_constexpr(g.V):
+                        rKV[i, k] = g.dtype(0.0)
+                        rS[i, k] = g.dtype(0.0)
+                else:
+                    cute.autovec_copy(cute.make_tensor(p_kv + off, g.V), rKV[None, k])
+                    cute.autovec_copy(cute.make_tensor(p_score + off, g.V), rS[None, k])
+            else:
+                cute.autovec_copy(cute.make_tensor(p_kv + off, g.V), rKV[None, k])
+                cute.autovec_copy(cute.make_tensor(p_score + off, g.V), rS[None, k])
+
+    @cute.jit
+    def stage_ape(p_ape, sApe, by, tid):
+        """The CTA's column chunk of ape, (W, cvc*V) fp32, into shared memory."""
+        mApe = cute.make_tensor(p_ape, g.E)
+        for e in cutlass.range(tid, g.W * g.cvc * g.V, g.threads):
+            k = e // (g.cvc * g.V)
+            c = e % (g.cvc * g.V)
+            col = by * (g.cvc * g.V) + c
+            val = Float32(0.0)
+            if col < g.D:
+                val = mApe[ape_base(k) + col]
+            sApe[k, c] = val
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def store(p_dst, rD, t0, first, cv):
+        base = Int64(t0) * (g.C * g.D) + cv * g.V
+        for k in cutlass.range_constexpr(g.W):
+            tok, col, _, needs_prev = g.entries[k]
+            off = cute.assume(base + (tok * g.C * g.D + col), divby=g.V)
+            dst = cute.make_tensor(p_dst + off, g.V)
+            if cutlass.const_expr(needs_prev):
+                if not first:
+                    cute.autovec_copy(rD[None, k], dst)
+            else:
+                cute.autovec_copy(rD[None, k], dst)
+
+    def ape_base(k):
+        # ape row k % R, column half k // R (coff 2) of entry k, computed at run time.
+        if cutlass.const_expr(g.C == 1):
+            return k * g.D
+        return (k % g.R) * (2 * g.D) + (k // g.R) * g.D
+
+    return load, store, stage_ape
+
+
+def _build_forward(key: KernelKey):
+    g = _Geometry(key)
+    load_window, _, stage_ape = _window_io(g)
+
+    @cute.kernel
+    def kernel(p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens: Int32, num_rows: Int32,
+               num_segs: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        cvl = tid % g.cvc
+        cv = by * g.cvc + cvl
+        n = bx * g.rpc + tid // g.cvc
+        cu = cute.make_tensor(p_cu, num_segs + 1)
+        cuc = cute.make_tensor(p_cuc, num_segs + 1)
+        smem = SmemAllocator()
+        sApe = smem.allocate_tensor(Float32, cute.make_layout((g.W, g.cvc * g.V)), 16)
+        stage_ape(p_ape, sApe, by, tid)
+        if n < num_rows and (not g.ragged_cols or cv < g.tpr):
+            valid, t0, first = cm.locate_row(cu, cuc, num_segs, num_tokens, n, g.R)
+            rO = cute.make_rmem_tensor((g.V,), g.dtype)
+            rO.fill(0.0)
+            if valid:
+                rKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+                rS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+                load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+                for i in cutlass.range_constexpr(g.V):
+                    p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
+                    acc = cm.mul_rn(p[0], v[0])
+                    for k in cutlass.range_constexpr(1, g.W):
+                        acc = cm.add_rn(acc, cm.mul_rn(p[k], v[k]))
+                    rO[i] = g.dtype(acc)
+            o_off = cute.assume(Int64(n) * g.D + cv * g.V, divby=g.V)
+            cute.autovec_copy(rO, cute.make_tensor(p_out + o_off, g.V))
+
+    @cute.jit
+    def launch(p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
+               p_cu: cute.Pointer, p_cuc: cute.Pointer, p_out: cute.Pointer,
+               p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
+               grid: Int32, stream: cuda.CUstream):
+        kernel(p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens, num_rows,
+               num_segs).launch(grid=(grid, g.ny, 1), block=(g.threads, 1, 1),
+                                smem=g.W * g.cvc * g.V * 4 + 16, stream=stream)
+
+    return launch
+
+
+def _build_backward(key: KernelKey):
+    g = _Geometry(key)
+    load_window, store_window, stage_ape = _window_io(g)
+    row_elems = g.C * g.D
+    part = g.W * g.cvc * g.V  # grad_ape partials of one row of threads
+
+    @cute.jit
+    def zero_vec(p_dst, off):
+        rZ = cute.make_rmem_tensor((g.V,), g.dtype)
+        rZ.fill(0.0)
+        cute.autovec_copy(rZ, cute.make_tensor(p_dst + cute.assume(off, divby=g.V), g.V))
+
+    @cute.jit
+    def zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv):
+        """Zeroes the never-consumed elements of tokens [slot*R, slot*R + R), column cv."""
+        t_first = slot * g.R
+        if t_first < num_tokens:
+            seg_end, own_from, prev_from = cm.token_bounds(
+                cu, cuc, num_segs, num_tokens, num_rows, t_first, g.R)
+            for k in cutlass.range_constexpr(g.R):
+                t = t_first + k
+                if t < num_tokens:
+                    if t >= seg_end:
+                        seg_end, own_from, prev_from = cm.token_bounds(
+                            cu, cuc, num_segs, num_tokens, num_rows, t, g.R)
+                    base = Int64(t) * row_elems + cv * g.V
+                    if t >= own_from:
+                        zero_vec(p_gkv, base + (g.C - 1) * g.D)
+                        zero_vec(p_gs, base + (g.C - 1) * g.D)
+                    if cutlass.const_expr(g.C == 2):
+                        if t >= prev_from:
+                            zero_vec(p_gkv, base)
+                            zero_vec(p_gs, base)
+
+    @cute.jit
+    def row_grads(p_gout, p_kv, p_score, p_gkv, p_gs, sApe, sAcc, t0, first, n, cv, cvl, tid):
+        rKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        rS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        rG = cute.make_rmem_tensor((g.V,), g.dtype)
+        g_off = cute.assume(Int64(n) * g.D + cv * g.V, divby=g.V)
+        cute.autovec_copy(cute.make_tensor(p_gout + g_off, g.V), rG)
+        load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+        rGKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        rGS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        for i in cutlass.range_constexpr(g.V):
+            p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
+            go = Float32(rG[i])
+            gp = [cm.mul_rn(go, v[k]) for k in range(g.W)]
+            dot = cm.mul_rn(gp[0], p[0])
+            for k in cutlass.range_constexpr(1, g.W):
+                dot = cm.add_rn(dot, cm.mul_rn(gp[k], p[k]))
+            for k in cutlass.range_constexpr(g.W):
+                gl = cm.mul_rn(p[k], cm.sub_rn(gp[k], dot))
+                rGKV[i, k] = g.dtype(cm.mul_rn(p[k], go))
+                rGS[i, k] = g.dtype(gl)
+                if cutlass.const_expr(g.entries[k][3]):
+                    gl = cm.pick(first, Float32(0.0), gl)  # invalid entries feed no ape grad
+                sAcc[k * g.V + i, tid] = cm.add_rn(sAcc[k * g.V + i, tid], gl)
+        store_window(p_gkv, rGKV, t0, first, cv)
+        store_window(p_gs, rGS, t0, first, cv)
+
+    @cute.kernel
+    def kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work,
+               num_tokens: Int32, num_rows: Int32, num_segs: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        cvl = tid % g.cvc
+        cv = by * g.cvc + cvl
+        cu = cute.make_tensor(p_cu, num_segs + 1)
+        cuc = cute.make_tensor(p_cuc, num_segs + 1)
+        smem = SmemAllocator()
+        sApe = smem.allocate_tensor(Float32, cute.make_layout((g.W, g.cvc * g.V)), 16)
+        # Thread-major partials: conflict-free, and each thread owns its column of them.
+        sAcc = smem.allocate_tensor(Float32, cute.make_layout((g.W * g.V, g.threads),
+                                                              stride=(g.threads, 1)), 16)
+        for j in cutlass.range_constexpr(g.W * g.V):
+            sAcc[j, tid] = Float32(0.0)
+        stage_ape(p_ape, sApe, by, tid)
+        num_slots = cutlass.max((num_tokens + (g.R - 1)) // g.R, num_rows)
+        if not g.ragged_cols or cv < g.tpr:
+            for slot in cutlass.range(bx * g.rpc + tid // g.cvc, num_slots, gx * g.rpc):
+                if slot < num_rows:
+                    valid, t0, first = cm.locate_row(cu, cuc, num_segs, num_tokens, slot, g.R)
+                    if valid:
+                        row_grads(p_gout, p_kv, p_score, p_gkv, p_gs, sApe, sAcc, t0, first,
+                                  slot, cv, cvl, tid)
+                zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv)
+        cute.arch.sync_threads()
+        # Fixed-order sum over the CTA's rows of threads: one partial per CTA.
+        mWork = cute.make_tensor(p_work, gx * g.E)
+        for e in cutlass.range(tid, part, g.threads):
+            k = e // (g.cvc * g.V)
+            c = e % (g.cvc * g.V)
+            j = k * g.V + c % g.V
+            total = sAcc[j, c // g.V]
+            for r in cutlass.range_constexpr(1, g.rpc):
+                total = cm.add_rn(total, sAcc[j, r * g.cvc + c // g.V])
+            col = by * (g.cvc * g.V) + c
+            if col < g.D:
+                ape_row = k % g.R
+                half = k // g.R
+                mWork[(bx * g.R + ape_row) * row_elems + half * g.D + col] = total
+
+    @cute.kernel
+    def finalize(p_work, p_gape, num_parts: Int32):
+        # Warp w sums partials w, w+32, ... of 32 consecutive elements; then warp 0 adds
+        # the 32 warp sums in order: deterministic, no atomics.
+        tid, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        w = tid // 32
+        q = bx * 32 + lane
+        mWork = cute.make_tensor(p_work, num_parts * g.E)
+        mGape = cute.make_tensor(p_gape, g.E)
+        smem = SmemAllocator()
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((_FIN_SPLIT, 32)), 16)
+        total = Float32(0.0)
+        if q < g.E:
+            for x in cutlass.range(w, num_parts, _FIN_SPLIT, unroll=4):
+                total = cm.add_rn(total, mWork[x * g.E + q])
+        sPart[w, lane] = total
+        cute.arch.sync_threads()
+        if w == 0 and q < g.E:
+            total = sPart[0, lane]
+            for j in cutlass.range_constexpr(1, _FIN_SPLIT):
+                total = cm.add_rn(total, sPart[j, lane])
+            mGape[q] = total
+
+    @cute.jit
+    def launch(p_gout: cute.Pointer, p_kv: cute.Pointer, p_score: cute.Pointer,
+               p_ape: cute.Pointer, p_cu: cute.Pointer, p_cuc: cute.Pointer,
+               p_gkv: cute.Pointer, p_gs: cute.Pointer, p_gape: cute.Pointer,
+               p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
+               grid: Int32, stream: cuda.CUstream):
+        smem_bytes = (g.W * g.cvc * g.V + g.W * g.V * g.threads) * 4 + 64
+        kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work, num_tokens,
+               num_rows, num_segs).launch(grid=(grid, g.ny, 1), block=(g.threads, 1, 1),
+                                          smem=smem_bytes, stream=stream)
+        finalize(p_work, p_gape, grid).launch(grid=((g.E + 31) // 32, 1, 1),
+                                              block=(32 * _FIN_SPLIT, 1, 1),
+                                              smem=_FIN_SPLIT * 32 * 4 + 64, stream=stream)
+
+    return launch
+
+
+def _fake_ptr(dtype, align: int):
+    # Compiles from fake pointers: the address is never dereferenced at compile time.
+    return make_ptr(dtype, align, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _compile(launch, key: KernelKey, pointer_specs, num_scalars: int):
+    ptrs = [_fake_ptr(dt, al) for dt, al in pointer_specs]
+    scalars = [Int32(1)] * num_scalars
+    return cute.compile[cute.GPUArch(key.arch)](launch, *ptrs, *scalars, cuda.CUstream(0))
+
+
+def compile_forward(key: KernelKey):
+    dt, a = _DTYPES[key.dtype], key.align_bytes
+    specs = [(dt, a), (dt, a), (Float32, 16), (Int32, 4), (Int32, 4), (dt, a), (Float32, 16)]
+    return _compile(_build_forward(key), key, specs, 4)
+
+
+def compile_backward(key: KernelKey):
+    dt, a = _DTYPES[key.dtype], key.align_bytes
+    specs = [(dt, a), (dt, a), (dt, a), (Float32, 16), (Int32, 4), (Int32, 4), (dt, a), (dt, a),
+             (Float32, 16), (Float32, 16)]
+    return _compile(_build_backward(key), key, specs, 4)
