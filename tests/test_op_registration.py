@@ -112,11 +112,11 @@ def test_export_with_dynamic_token_count(tokens):
 class TestSchemas(expecttest.TestCase):
     def test_forward_schema(self):
         self.assertExpectedInline(str(FORWARD._schema), """\
-csa::compressor(Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor cu_seqlens_comp, int ratio, int coff, SymInt? total_comp=None) -> Tensor""")  # noqa: E501
+csa::compressor(Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor cu_seqlens_comp, int ratio, int coff, SymInt? total_comp=None) -> Tensor""")
 
     def test_backward_schema(self):
         self.assertExpectedInline(str(BACKWARD._schema), """\
-csa::compressor_backward(Tensor grad_out, Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor cu_seqlens_comp, int ratio, int coff) -> (Tensor, Tensor, Tensor)""")  # noqa: E501
+csa::compressor_backward(Tensor grad_out, Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor cu_seqlens_comp, int ratio, int coff) -> (Tensor, Tensor, Tensor)""")
 
     def test_tags(self):
         lines = [f"{op}: {', '.join(sorted(str(tag) for tag in op.tags))}"
