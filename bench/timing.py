@@ -1,0 +1,123 @@
+"""Timers and ceilings: per-call wall time, CUDA-graph kernel time, copy bandwidth.
+
+Every timed sample is a batch of back-to-back calls that rotate over input sets whose total
+size exceeds L2, so no call finds its inputs cached; a sample's time is divided by the batch
+and the median over samples is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0  # CPU runs are for seeing the harness work, not for cache-exact numbers
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20))
+
+
+def num_input_sets(set_bytes: int, device: torch.device, cap: int = 64) -> int:
+    """Enough input sets that one rotation streams at least 3x L2 (LRU never hits)."""
+    need = 3 * l2_bytes(device)
+    return max(2, min(cap, -(-need // max(set_bytes, 1))))
+
+
+def _median_per_call(samples: list[float], batch: int) -> tuple[float, list[float]]:
+    per_call = [s / batch for s in samples]
+    return statistics.median(per_call), per_call
+
+
+def time_calls(fn: Callable[[int], object], batch: int, warmup: int, iters: int,
+               device: torch.device) -> tuple[float, list[float]]:
+    """Median seconds per call of ``fn(i)`` for i in 0..batch-1, issued back to back.
+
+    On CUDA, events bracket the whole batch, so the number is the per-call wall time: the
+    larger of host launch cost and device time.
+    """
+    for _ in range(warmup):
+        for i in range(batch):
+            fn(i)
+    synchronize(device)
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(batch):
+                fn(i)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t = time.perf_counter()
+            for i in range(batch):
+                fn(i)
+            samples.append(time.perf_counter() - t)
+    return _median_per_call(samples, batch)
+
+
+def capture_graph(fn: Callable[[int], object], batch: int, warmup: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph holding ``batch`` back-to-back calls (warmed up on a side stream first,
+    so lazy compiles and allocator growth happen outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(max(warmup, 1)):
+            for i in range(batch):
+                fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(batch):
+            fn(i)
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, batch: int, warmup: int,
+               iters: int) -> tuple[float, list[float]]:
+    """Median seconds per call inside replays of ``graph``: device time, launch gaps gone."""
+    for _ in range(max(warmup, 1)):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3)
+    return _median_per_call(samples, batch)
+
+
+def syncs_host(fn: Callable[[], object]) -> str | None:
+    """The error text if ``fn`` synchronizes with the host (so cannot be graph-captured)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    median, _ = time_calls(lambda _i: dst.copy_(src), batch=1, warmup=3, iters=iters,
+                           device=device)
+    return 2 * nbytes / median

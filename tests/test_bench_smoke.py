@@ -1,0 +1,123 @@
+"""The benchmark harness runs end to end on the CPU and reports sane numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+# One window-family shape and one streaming-family shape, both coff.
+SHAPES = "r4c2_2x64_d128,r128c1_1x256_d64"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(BENCH / "bench_compressor.py"), "--quick", "--device", "cpu",
+           "--shapes", SHAPES, "--warmup", "1", "--iters", "2", "--out", str(out),
+           # One lowering mode proves the mode rows work; each further mode costs compiles.
+           "--skip", "[auto],[generate]"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+                          check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+def _rows(out: Path) -> list[dict]:
+    return json.loads((out / "results.json").read_text())["results"]
+
+
+def _is_lowering_row(row: dict) -> bool:
+    return row["variant"].startswith("op compiled [")  # owned and gated by csa_ops.lowering
+
+
+def test_outputs_exist(bench_run):
+    out, stdout = bench_run
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "results.png").stat().st_size > 10_000
+    table = (out / "results.md").read_text()
+    assert "| shape | variant | time us |" in table and table.strip() in stdout
+    for shape in SHAPES.split(","):
+        assert f"| {shape} | eager ref fwd |" in table
+
+
+def test_environment_stamp(bench_run):
+    meta = json.loads((bench_run[0] / "results.json").read_text())["meta"]
+    assert meta["torch"] == torch.__version__
+    assert meta["device"] == "cpu" and meta["capability"] is None
+    assert 1e8 < meta["copy_bandwidth_Bps"] < 1e13
+
+
+def test_every_variant_checked_and_timed(bench_run):
+    rows = _rows(bench_run[0])
+    names = {r["variant"] for r in rows}
+    for required in ("eager ref fwd", "eager ref fwd+bwd", "compiled ref fwd",
+                     "compiled ref fwd+bwd", "op fwd call", "op bwd call", "op fwd+bwd call",
+                     "op fwd kernel (graph)"):
+        assert required in names
+    for r in rows:
+        if r["timing"] == "graph":
+            assert r["status"] == "n/a (CUDA only)" and "median_s" not in r
+            continue
+        if _is_lowering_row(r) and r["status"] != "ok":
+            assert r["status"].startswith(("error", "MISMATCH")), r
+            continue
+        assert r["status"] == "ok", r
+        assert all(e <= 0.05 for e in r["max_error"]), r
+        assert 0 < r["median_s"] < 10 and len(r["samples_s"]) == 2
+        assert math.isclose(r["GBps"], r["bytes"] / r["median_s"] / 1e9)
+        assert r["frac_of_floor"] > 0 and r["floor_s"] > 0
+
+
+def test_speedups_against_baselines(bench_run):
+    rows = _rows(bench_run[0])
+    for r in rows:
+        if r["variant"] in ("eager ref fwd", "eager ref fwd+bwd"):
+            assert r["speedup_vs_eager"] == 1.0
+        if r["direction"] == "bwd" and "median_s" in r:
+            assert r["speedup_vs_eager"] is None  # no backward-only baseline exists
+    eager = {(r["shape"], r["direction"]): r["median_s"] for r in rows
+             if r["variant"].startswith("eager ref") and r["timing"] == "wall"}
+    for r in rows:
+        if r["variant"] == "op fwd call":
+            assert math.isclose(r["speedup_vs_eager"], eager[(r["shape"], "fwd")] / r["median_s"])
+
+
+@pytest.fixture(scope="module")
+def variants():
+    """bench/variants.py, imported the way the script imports it (bench/ on sys.path)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import variants as module
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_floor_bytes_follow_spec(variants):
+    nbytes = variants.algorithmic_bytes(variants.Shape.parse("r4c2_1x8192_d128"), 2)
+    inputs = 2 * 8192 * (2 * 128) * 2  # kv + score, bf16
+    fwd = inputs + 2048 * 128 * 2
+    assert nbytes == {"fwd": fwd, "bwd": fwd + inputs, "fwd+bwd": 2 * fwd + inputs}
+
+
+def test_check_rejects_wrong_outputs(variants):
+    want = torch.randn(64, 32, dtype=torch.bfloat16)
+    tol = variants.tolerance(torch.bfloat16, "fwd")
+    assert variants.check(want.clone(), (want,), tol)[0]
+    off_by_one_row = want.clone()
+    off_by_one_row[7] = want[8]
+    assert not variants.check(off_by_one_row, (want,), tol)[0]
+    nan = want.clone()
+    nan[3, 3] = float("nan")
+    assert not variants.check(nan, (want,), tol)[0]
+    assert not variants.check(want[:-1], (want,), tol)[0]
