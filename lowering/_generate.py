@@ -1,0 +1,376 @@
+"""Inductor IR for both directions of csa::compressor: the "generate" path.
+
+Windows of up to ``UNROLL_MAX`` entries are unrolled inside one Pointwise per output element
+in the reference's exact expression order (bitwise equal to ``csa_ops.reference``, and a
+following RMSNorm fuses into the same kernel); longer windows use Reduction IR (max, sum,
+weighted sum) and match within rounding. Nothing of window size (rows * W * d) is ever
+materialized: the backward keeps three (rows, d) statistics and recomputes each entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor.ops_handler import OpsHandler
+from torch._inductor.virtualized import V, ops
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+# Largest window (coff * ratio) computed as one unrolled expression per element: beyond it the
+# per-thread live state (W exponentials) spills and Reduction IR is faster.
+UNROLL_MAX = 16
+
+I64 = torch.int64
+# Round-to-nearest mul/div where the ops exist (2.13): a rounded product that Triton never
+# contracts into an FMA, and IEEE division instead of Triton's approximate div.full.
+_HAS_RN = hasattr(OpsHandler, "mul_rn") and hasattr(OpsHandler, "div_rn")
+
+
+def _mul(a, b):
+    return ops.mul_rn(a, b) if _HAS_RN else ops.mul(a, b)
+
+
+def _div(a, b):
+    return ops.div_rn(a, b) if _HAS_RN else ops.truediv(a, b)
+
+
+def _i64(x):
+    return ops.to_dtype(x, I64)
+
+
+def _const(value, dtype=I64):
+    return ops.constant(value, dtype)
+
+
+def _index(expr):
+    return ops.index_expr(sympy.sympify(expr), I64)
+
+
+@dataclass
+class Problem:
+    """Loaders, sizes and the specialised ints of one call, in lowering form."""
+
+    kv: object
+    score: object
+    ape: object
+    cu: object
+    cuc: object
+    ratio: int
+    coff: int
+    head_dim: int | sympy.Expr
+    tokens: sympy.Expr
+    segments: sympy.Expr
+    device: torch.device
+    dtype: torch.dtype
+    acc: torch.dtype
+
+    @property
+    def window(self) -> int:
+        return self.coff * self.ratio
+
+    @property
+    def unrolled(self) -> bool:
+        return self.window <= UNROLL_MAX
+
+
+def make_problem(kv, score, ape, cu, cuc, ratio: int, coff: int) -> Problem:
+    tokens, width = kv.get_size()
+    dtype = kv.get_dtype()
+    return Problem(
+        kv=kv.make_loader(), score=score.make_loader(), ape=ape.make_loader(),
+        cu=cu.make_loader(), cuc=cuc.make_loader(), ratio=ratio, coff=coff,
+        head_dim=V.graph.sizevars.simplify(FloorDiv(sympy.sympify(width), coff)),
+        tokens=tokens, segments=cu.get_size()[0] - 1, device=kv.get_device(), dtype=dtype,
+        acc=torch.float64 if dtype == torch.float64 else torch.float32,
+    )
+
+
+def is_empty(p: Problem, rows) -> bool:
+    """Statically no work: the reference returns zeros for all of these."""
+    known = V.graph.sizevars.statically_known_equals
+    return known(rows, 0) or known(p.tokens, 0) or known(p.segments, 0)
+
+
+def zeros(p: Problem, size, dtype):
+    return ir.Pointwise.create(device=p.device, dtype=dtype,
+                               inner_fn=lambda idx: ops.constant(0, dtype), ranges=list(size))
+
+
+# ---------------------------------------------------------------------------------------
+# Where rows and tokens sit in the pack
+
+
+def _segment_map(p: Problem, bounds, positions):
+    """seg[x] = #{s in 1..B : bounds[s] <= x}, the reference's searchsorted(right=True) before
+    its clamp. A comparison count (one small kernel, positions x B) because Inductor's
+    bucketize is not implemented on CPU."""
+
+    def inner(idx, ridx):
+        bound = _i64(bounds([ridx[0] + 1]))
+        return ops.to_dtype(ops.le(bound, _index(idx[0])), torch.int32)
+
+    seg = ir.Reduction.create(device=p.device, dst_dtype=torch.int32, src_dtype=torch.int32,
+                              inner_fn=inner, ranges=[positions], reduction_ranges=[p.segments],
+                              reduction_type="sum")
+    seg.realize()
+    return seg.make_loader()
+
+
+def _segment(p: Problem, seg_loader, x):
+    """Indirect index of the segment owning position x (clamped like the reference)."""
+    seg = ops.minimum(_i64(seg_loader([x])), _index(p.segments - 1))
+    return ops.indirect_indexing(seg, p.segments, check=False, wrap_neg=False)
+
+
+@dataclass
+class Row:
+    block: object      # local block b of row n (int64 value)
+    t0: object         # first own token cu[s] + b*ratio
+    valid: object      # n < cuc[B]
+
+
+def row_of(p: Problem, row_seg, n) -> Row:
+    s = _segment(p, row_seg, n)
+    n_v = _index(n)
+    block = ops.sub(n_v, _i64(p.cuc([s])))
+    t0 = ops.add(_i64(p.cu([s])), ops.mul(block, _const(p.ratio)))
+    valid = ops.lt(n_v, _i64(p.cuc([p.segments])))
+    return Row(block, t0, valid)
+
+
+def entry(p: Problem, row: Row, krow, half, j):
+    """(logit, value, valid) of window entry (krow, half) of a row at column j, in acc dtype.
+
+    krow and half are ints (unrolled) or index expressions (reduction axes). Invalid entries
+    get logit -inf and value 0 exactly as in the reference; their loads stay in bounds."""
+    offset = krow + (half - 1) * p.ratio if p.coff == 2 else krow
+    token = ops.add(row.t0, _index(offset) if not isinstance(offset, int) else _const(offset))
+    valid = ops.and_(row.valid, ops.and_(ops.ge(token, _const(0)),
+                                         ops.lt(token, _index(p.tokens))))
+    if p.coff == 2:
+        if isinstance(half, int):
+            if half == 0:
+                valid = ops.and_(valid, ops.gt(row.block, _const(0)))
+        else:
+            # half == 1 or block > 0 (block >= 0 on valid rows); one compare, no or_ (the
+            # C++ vectorizer cannot or a vector mask with a scalar bool).
+            valid = ops.and_(valid, ops.gt(ops.add(row.block, _index(half)), _const(0)))
+    t = ops.indirect_indexing(ops.where(valid, token, _const(0)), p.tokens, check=False, wrap_neg=False)
+    col = half * p.head_dim + j
+    logit = ops.add(ops.to_dtype(p.score([t, col]), p.acc),
+                    ops.to_dtype(p.ape([krow, col]), p.acc))
+    logit = ops.where(valid, logit, ops.constant(float("-inf"), p.acc))
+    value = ops.where(valid, ops.to_dtype(p.kv([t, col]), p.acc), ops.constant(0.0, p.acc))
+    return logit, value, valid
+
+
+def _split(p: Problem, k):
+    """(krow, half) of window entry k (an int or an index expression)."""
+    if p.coff == 1:
+        return k, 0
+    if isinstance(k, int):
+        return k % p.ratio, k // p.ratio
+    return ModularIndexing(k, 1, p.ratio), FloorDiv(k, p.ratio)
+
+
+# ---------------------------------------------------------------------------------------
+# Window statistics over (rows, d)
+
+
+def _unrolled_window(p: Problem, row_seg, n, j):
+    row = row_of(p, row_seg, n)
+    entries = [entry(p, row, *_split(p, k), j) for k in range(p.window)]
+    logits = [e[0] for e in entries]
+    m = logits[0]
+    for logit in logits[1:]:
+        m = ops.maximum(m, logit)
+    exps = [ops.exp(ops.sub(logit, m)) for logit in logits]
+    total = exps[0]
+    for e in exps[1:]:
+        total = ops.add(total, e)
+    probs = [_div(e, total) for e in exps]
+    return row, m, total, probs, [e[1] for e in entries]
+
+
+def _sequential_dot(a, b):
+    acc = _mul(a[0], b[0])
+    for x, y in zip(a[1:], b[1:]):
+        acc = ops.add(acc, _mul(x, y))
+    return acc
+
+
+def _reduce(p: Problem, rows, inner, kind):
+    red = ir.Reduction.create(device=p.device, dst_dtype=p.acc, src_dtype=p.acc, inner_fn=inner,
+                              ranges=[rows, p.head_dim], reduction_ranges=[p.window],
+                              reduction_type=kind)
+    red.realize()
+    return red.make_loader()
+
+
+def _reduced_stats(p: Problem, row_seg, rows):
+    """Loaders of the row max and exp-sum over the window, via Reduction IR."""
+
+    def logit(idx, ridx):
+        row = row_of(p, row_seg, idx[0])
+        return entry(p, row, *_split(p, ridx[0]), idx[1])[:2]
+
+    m = _reduce(p, rows, lambda idx, ridx: logit(idx, ridx)[0], "max")
+
+    def exp_term(idx, ridx):
+        return ops.exp(ops.sub(logit(idx, ridx)[0], m(idx)))
+
+    s = _reduce(p, rows, exp_term, "sum")
+
+    def prob_value(idx, ridx):
+        return _div(exp_term(idx, ridx), s(idx)), logit(idx, ridx)[1]
+
+    return m, s, prob_value
+
+
+def forward(p: Problem, rows):
+    """(rows, d) output in kv's dtype; rows past cuc[B] are exact zeros."""
+    if is_empty(p, rows):
+        return zeros(p, [rows, p.head_dim], p.dtype)
+    row_seg = _segment_map(p, p.cuc, rows)
+    if p.unrolled:
+        def inner(idx):
+            row, _, _, probs, values = _unrolled_window(p, row_seg, *idx)
+            out = ops.where(row.valid, _sequential_dot(probs, values), ops.constant(0.0, p.acc))
+            return ops.to_dtype(out, p.dtype)
+    else:
+        _, _, prob_value = _reduced_stats(p, row_seg, rows)
+        out_acc = _reduce(p, rows, lambda idx, ridx: _mul(*prob_value(idx, ridx)), "sum")
+
+        def inner(idx):
+            row = row_of(p, row_seg, idx[0])
+            return ops.to_dtype(ops.where(row.valid, out_acc(idx), ops.constant(0.0, p.acc)),
+                                p.dtype)
+    return ir.Pointwise.create(device=p.device, dtype=p.dtype, inner_fn=inner,
+                               ranges=[rows, p.head_dim])
+
+
+# ---------------------------------------------------------------------------------------
+# Backward
+
+
+def _realized(p: Problem, rows, inner):
+    box = ir.Pointwise.create(device=p.device, dtype=p.acc, inner_fn=inner,
+                              ranges=[rows, p.head_dim])
+    box.realize()
+    return box.make_loader()
+
+
+def _backward_stats(p: Problem, row_seg, rows, grad):
+    """Loaders of m, s and dot = sum_k (g*v_k)*p_k per (row, column)."""
+
+    def g_of(idx):
+        return ops.to_dtype(grad(idx), p.acc)
+
+    if p.unrolled:
+        def stat(which):
+            def inner(idx):
+                _, m, total, probs, values = _unrolled_window(p, row_seg, *idx)
+                if which == "m":
+                    return m
+                if which == "s":
+                    return total
+                g = g_of(idx)
+                return _sequential_dot([_mul(g, v) for v in values], probs)
+            return _realized(p, rows, inner)
+
+        return stat("m"), stat("s"), stat("dot")
+    m, s, prob_value = _reduced_stats(p, row_seg, rows)
+
+    def dot_term(idx, ridx):
+        prob, value = prob_value(idx, ridx)
+        return _mul(_mul(g_of(idx), value), prob)
+
+    return m, s, _reduce(p, rows, dot_term, "sum")
+
+
+def _grad_entry(p: Problem, stats, grad, n, j, logit, value):
+    """(grad of value, grad of logit) of one window entry, in the reference's order."""
+    m, s, dot = stats
+    prob = _div(ops.exp(ops.sub(logit, m([n, j]))), s([n, j]))
+    g = ops.to_dtype(grad([n, j]), p.acc)
+    grad_logit = ops.mul(prob, ops.sub(_mul(g, value), dot([n, j])))
+    return ops.mul(prob, g), grad_logit
+
+
+def _token_grads(p: Problem, stats, grad, rows):
+    """grad_kv, grad_score over (T, coff*d): each element finds the one entry consuming it."""
+    tok_seg = _segment_map(p, p.cu, p.tokens)
+
+    def consumer(idx):
+        t, c = idx
+        half = FloorDiv(c, p.head_dim) if p.coff == 2 else 0
+        j = ModularIndexing(c, 1, p.head_dim) if p.coff == 2 else c
+        s = _segment(p, tok_seg, t)
+        start = _i64(p.cuc([s]))
+        local = ops.sub(_index(t), _i64(p.cu([s])))
+        safe = ops.maximum(local, _const(0))
+        block = ops.floordiv(safe, _const(p.ratio))
+        if p.coff == 2:
+            # First-half columns of a token feed the next block's window.
+            block = ops.add(block, ops.sub(_const(1), _index(half)))
+        krow = ops.remainder(safe, _const(p.ratio))
+        n = ops.add(start, block)
+        valid = ops.and_(ops.ge(local, _const(0)),
+                         ops.and_(ops.lt(n, _i64(p.cuc([s + 1]))), ops.lt(n, _index(rows))))
+        n = ops.indirect_indexing(ops.where(valid, n, _const(0)), rows, check=False, wrap_neg=False)
+        kr = ops.indirect_indexing(krow, p.ratio, check=False, wrap_neg=False)
+        logit = ops.add(ops.to_dtype(p.score([t, c]), p.acc), ops.to_dtype(p.ape([kr, c]), p.acc))
+        value = ops.to_dtype(p.kv([t, c]), p.acc)
+        return valid, _grad_entry(p, stats, grad, n, j, logit, value)
+
+    def make(which):
+        def inner(idx):
+            valid, grads = consumer(idx)
+            return ops.to_dtype(ops.where(valid, grads[which], ops.constant(0.0, p.acc)),
+                                p.dtype)
+        return ir.Pointwise.create(device=p.device, dtype=p.dtype, inner_fn=inner,
+                                   ranges=[p.tokens, p.coff * p.head_dim])
+
+    return make(0), make(1)
+
+
+def _grad_ape(p: Problem, stats, grad, row_seg, rows, ape_dtype):
+    """Sum over rows of each entry's logit gradient (fixed-order reduction, no atomics)."""
+    width = p.coff * p.head_dim
+
+    def inner(idx, ridx):
+        krow, c = idx
+        n = ridx[0]
+        half = FloorDiv(c, p.head_dim) if p.coff == 2 else 0
+        j = ModularIndexing(c, 1, p.head_dim) if p.coff == 2 else c
+        row = row_of(p, row_seg, n)
+        logit, value, valid = entry(p, row, krow, half, j)
+        grad_logit = _grad_entry(p, stats, grad, n, j, logit, value)[1]
+        return ops.where(valid, grad_logit, ops.constant(0.0, p.acc))
+
+    total = ir.Reduction.create(device=p.device, dst_dtype=p.acc, src_dtype=p.acc,
+                                inner_fn=inner, ranges=[p.ratio, width], reduction_ranges=[rows],
+                                reduction_type="sum")
+    if ape_dtype == p.acc:
+        total.realize()
+        return total
+    loader = total.make_loader()
+    return ir.Pointwise.create(device=p.device, dtype=ape_dtype,
+                               inner_fn=lambda idx: ops.to_dtype(loader(idx), ape_dtype),
+                               ranges=[p.ratio, width])
+
+
+def backward(p: Problem, grad_out, ape_dtype):
+    """(grad_kv, grad_score, grad_ape) with the shapes and dtypes of the inputs."""
+    rows = grad_out.get_size()[0]
+    width = p.coff * p.head_dim
+    if is_empty(p, rows):
+        return (zeros(p, [p.tokens, width], p.dtype), zeros(p, [p.tokens, width], p.dtype),
+                zeros(p, [p.ratio, width], ape_dtype))
+    grad = grad_out.make_loader()
+    row_seg = _segment_map(p, p.cuc, rows)
+    stats = _backward_stats(p, row_seg, rows, grad)
+    grad_kv, grad_score = _token_grads(p, stats, grad, rows)
+    return grad_kv, grad_score, _grad_ape(p, stats, grad, row_seg, rows, ape_dtype)

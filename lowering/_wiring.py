@@ -1,0 +1,74 @@
+"""Registers the Inductor lowerings of csa::compressor / csa::compressor_backward.
+
+Each lowering asks ``policy.choose`` and either emits the generated IR (``_generate``) or
+calls the opaque op as an extern kernel. ``total_comp=None`` (a data-dependent row count)
+is turned into ``cu_seqlens_comp[-1].item()`` plus a static-capacity call by a
+decomposition, because an Inductor Pointwise cannot define an unbacked size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import decomposition as inductor_decomp
+from torch._inductor.lowering import fallback_handler, register_lowering
+from torch._inductor.virtualized import V
+
+from . import _generate, policy
+
+FWD = torch.ops.csa.compressor.default
+BWD = torch.ops.csa.compressor_backward.default
+
+
+def _static(value) -> int:
+    return V.graph.sizevars.guard_int(value)
+
+
+def _fusible_consumer() -> bool:
+    """The forward's output feeds an op Inductor can fuse into (not only the graph output)."""
+    node = V.graph.current_node
+    return any(user.op == "call_function" for user in node.users)
+
+
+def _extern(op, *args):
+    return fallback_handler(op, add_to_fallback_set=False)(*args)
+
+
+def _head_dim_fn(kv, coff):
+    return lambda: _static(kv.get_size()[1]) // coff
+
+
+def _lower_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
+    ratio, coff = _static(ratio), _static(coff)
+    path = policy.choose("fwd", kv.get_device(), kv.get_dtype(), ratio, coff,
+                         _head_dim_fn(kv, coff), fusible_consumer=_fusible_consumer())
+    if path == "extern" or total_comp is None:
+        return _extern(FWD, kv, score, ape, cu, cuc, ratio, coff, total_comp)
+    problem = _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff)
+    return _generate.forward(problem, total_comp)
+
+
+def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
+    ratio, coff = _static(ratio), _static(coff)
+    path = policy.choose("bwd", kv.get_device(), kv.get_dtype(), ratio, coff,
+                         _head_dim_fn(kv, coff))
+    if path == "extern":
+        return _extern(BWD, grad_out, kv, score, ape, cu, cuc, ratio, coff)
+    problem = _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff)
+    return _generate.backward(problem, grad_out, ape.get_dtype())
+
+
+def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
+    if total_comp is not None:
+        return NotImplemented
+    head_dim = kv.shape[1] // coff
+    if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim) == "extern":
+        return NotImplemented
+    rows = cuc[-1].item()
+    torch._check(rows >= 0)
+    return FWD(kv, score, ape, cu, cuc, ratio, coff, rows)
+
+
+def register() -> None:
+    register_lowering(FWD, type_promotion_kind=None)(_lower_forward)
+    register_lowering(BWD, type_promotion_kind=None)(_lower_backward)
+    inductor_decomp.register_decomposition(FWD)(_decompose_data_dependent)

@@ -1,0 +1,134 @@
+"""The one lowering policy: which path Inductor takes for a csa::compressor call.
+
+``mode`` is "auto" (default), "extern" (always call the opaque op) or "generate" (always emit
+Inductor kernels); the environment variable CSA_OPS_LOWERING sets the initial value.
+"auto" calls the hand-written CUDA kernel wherever ``csa_ops.host`` supports the
+configuration, except where measurement showed generated code to win, and generates
+everywhere else. Changing the mode retags Inductor's on-disk caches and resets
+torch.compile's in-process caches, so no code generated under another mode is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+from pathlib import Path
+
+import torch
+
+MODES = ("auto", "extern", "generate")
+ENV = "CSA_OPS_LOWERING"
+
+_USER_TAG = torch.compiler.config.cache_key_tag
+_state = {"mode": "auto"}
+
+
+def _source_digest() -> str:
+    """Hash of this package's sources, so an edited lowering never reuses cached code."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+_DIGEST = _source_digest()
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("csa-ops")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def cache_tag(mode: str) -> str:
+    return f"csa_ops-{_package_version()}-{_DIGEST}-{mode}"
+
+
+def _validated(value) -> str:
+    if value not in MODES:
+        raise ValueError(f"csa_ops.lowering.mode must be one of {MODES}, got {value!r}")
+    return value
+
+
+def _apply_tag(mode: str) -> None:
+    ours = cache_tag(mode)
+    torch.compiler.config.cache_key_tag = f"{_USER_TAG}|{ours}" if _USER_TAG else ours
+
+
+def get_mode() -> str:
+    return _state["mode"]
+
+
+def set_mode(value: str) -> None:
+    """Set the policy; compiled code from the previous mode is discarded."""
+    value = _validated(value)
+    if value == _state["mode"]:
+        return
+    _state["mode"] = value
+    _apply_tag(value)
+    # Dynamo does not guard on this policy: drop frames compiled under the old one.
+    torch.compiler.reset()
+
+
+def init_from_env() -> None:
+    raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    try:
+        _state["mode"] = _validated(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {ENV}: {exc}") from None
+    _apply_tag(_state["mode"])
+
+
+# ---------------------------------------------------------------------------------------
+# The decision
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def extern_kernel_supports(device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
+                           head_dim: int) -> bool:
+    """Whether the CuTe-DSL kernels run this configuration (metadata only, no tensors).
+
+    Mirrors csa_ops.host.supports for the trace-time facts; imported lazily (cutlass)."""
+    if device.type != "cuda" or dtype not in _DTYPE_NAMES or not torch.cuda.is_available():
+        return False
+    try:
+        from csa_ops import host
+    except ImportError:
+        return False
+    arch = host.device_arch(device)
+    if arch is None:
+        return False
+    name = _DTYPE_NAMES[dtype]
+    return all(host.select_key(ratio, coff, head_dim, name, arch, b) is not None
+               for b in (False, True))
+
+
+def choose(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
+           head_dim, *, fusible_consumer: bool = False) -> str:
+    """"extern" or "generate" for one call of ``direction`` ("fwd"/"bwd").
+
+    head_dim may be a callable returning the int (it can cost a shape guard, so it is only
+    evaluated when the answer depends on it)."""
+    mode = _state["mode"]
+    if mode != "auto":
+        return mode
+    if device.type != "cuda":
+        return "generate"
+    hd = head_dim() if callable(head_dim) else head_dim
+    if not extern_kernel_supports(device, dtype, ratio, coff, hd):
+        return "generate"
+    if direction == "fwd" and fusible_consumer and generated_epilogue_wins(ratio, coff):
+        return "generate"
+    return "extern"
+
+
+def generated_epilogue_wins(ratio: int, coff: int) -> bool:
+    """Forward only: the unrolled generated kernel with its consumer (e.g. RMSNorm) fused
+    beats the extern kernel plus a separate consumer kernel for short windows."""
+    from ._generate import UNROLL_MAX
+
+    return coff * ratio <= UNROLL_MAX
