@@ -84,13 +84,11 @@ def window_key(
 ) -> KernelKey:
     """Heuristic key for the register-window family.
 
-    A thread holds window * vec inputs of kv and of score in registers (forward: up to 128),
-    and the backward also window * vec fp32 grad_ape partials (up to 64), so wide windows
-    trade vector width for registers.
+    A thread holds window * vec elements of kv and of score in registers (at most 64 each,
+    and the backward's grad_ape partials in shared memory also scale with it), so wide
+    windows trade vector width for registers.
     """
-    window = coff * ratio
-    budget = 64 if backward else 128
-    vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, budget // window))
+    vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, 64 // (coff * ratio)))
     return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=128)
 
 

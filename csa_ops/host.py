@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -53,8 +54,12 @@ class KernelFamily(Protocol):
     def supports(self, key: KernelKey) -> bool: ...
     def compile_forward(self, key: KernelKey) -> Callable[..., Any]: ...
     def compile_backward(self, key: KernelKey) -> Callable[..., Any]: ...
-    def plan_forward(self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan: ...  # noqa: E501
-    def plan_backward(self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan: ...  # noqa: E501
+    def plan_forward(
+        self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int
+    ) -> LaunchPlan: ...
+    def plan_backward(
+        self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int
+    ) -> LaunchPlan: ...
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,9 +244,8 @@ _CUTE_TYPES: dict[torch.dtype, Any] = {}
 
 
 def _ptr(t: torch.Tensor, align: int) -> Any:
-    from cutlass.cute.runtime import make_ptr
-
     from cutlass import cute
+    from cutlass.cute.runtime import make_ptr
 
     if not _CUTE_TYPES:
         import cutlass

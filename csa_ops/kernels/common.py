@@ -9,8 +9,7 @@ bit for bit, and an FMA contracted by the compiler would change the rounding.
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64
+from cutlass import Boolean, Float32, Int32, Int64, cute
 from cutlass._mlir_helpers.math import RoundingMode
 
 _RN = RoundingMode.NEAREST_EVEN
@@ -91,7 +90,7 @@ def locate_row(
         c1 = cuc[s + 1]
         u0 = cu[s]
         u1 = cu[s + 1]
-        if c0 <= n and n < c1 and u0 >= 0:
+        if c0 <= n and n < c1 and u0 >= 0:  # noqa: PLR1716  (DSL: no chained compares)
             block = Int64(n) - Int64(c0)
             end = Int64(u0) + (block + 1) * ratio
             if end <= Int64(u1) and end <= Int64(num_tokens):
@@ -124,7 +123,7 @@ def token_bounds(
     if s >= 0:
         u0 = cu[s]
         u1 = cu[s + 1]
-        if u0 >= 0 and u0 <= t and t < u1:
+        if u0 >= 0 and u0 <= t and t < u1:  # noqa: PLR1716
             end = cutlass.min(u1, num_tokens)
             c0 = Int64(cuc[s])
             blocks = cutlass.min(Int64(cuc[s + 1]) - c0, Int64((end - u0) // ratio))

@@ -10,10 +10,13 @@ per CTA in the workspace, then a second kernel that sums the partials in a fixed
 
 from __future__ import annotations
 
+import pathlib
+import tempfile
+
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, cute
+from cutlass.base_dsl.compiler import DumpDir
 from cutlass.cute.runtime import make_ptr
 from cutlass.memory import SmemAllocator
 
@@ -219,8 +222,8 @@ def _build_backward(key: KernelKey):
     @cute.jit
     def zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv):
         """Zeroes the never-consumed elements of tokens [slot*R, slot*R + R), column cv."""
-        t_first = slot * g.R
-        if t_first < num_tokens:
+        if Int64(slot) * g.R < Int64(num_tokens):
+            t_first = slot * g.R
             seg_end, own_from, prev_from = cm.token_bounds(
                 cu, cuc, num_segs, num_tokens, num_rows, t_first, g.R)
             for k in cutlass.range_constexpr(g.R):
@@ -233,7 +236,7 @@ def _build_backward(key: KernelKey):
                     if t >= own_from:
                         zero_vec(p_gkv, base + (g.C - 1) * g.D)
                         zero_vec(p_gs, base + (g.C - 1) * g.D)
-                    if cutlass.const_expr(g.C == 2):
+                    if cutlass.const_expr(g.C == 2):  # noqa: SIM102  (trace-time branch)
                         if t >= prev_from:
                             zero_vec(p_gkv, base)
                             zero_vec(p_gs, base)
@@ -280,7 +283,7 @@ def _build_backward(key: KernelKey):
         # Thread-major partials: conflict-free, and each thread owns its column of them.
         sAcc = smem.allocate_tensor(Float32, cute.make_layout((g.W * g.V, g.threads),
                                                               stride=(g.threads, 1)), 16)
-        for j in cutlass.range_constexpr(g.W * g.V):
+        for j in cutlass.range(g.W * g.V):
             sAcc[j, tid] = Float32(0.0)
         stage_ape(p_ape, sApe, by, tid)
         num_slots = cutlass.max((num_tokens + (g.R - 1)) // g.R, num_rows)
@@ -300,7 +303,7 @@ def _build_backward(key: KernelKey):
             c = e % (g.cvc * g.V)
             j = k * g.V + c % g.V
             total = sAcc[j, c // g.V]
-            for r in cutlass.range_constexpr(1, g.rpc):
+            for r in cutlass.range(1, g.rpc):
                 total = cm.add_rn(total, sAcc[j, r * g.cvc + c // g.V])
             col = by * (g.cvc * g.V) + c
             if col < g.D:
@@ -355,20 +358,30 @@ def _fake_ptr(dtype, align: int):
     return make_ptr(dtype, align, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _compile(launch, key: KernelKey, pointer_specs, num_scalars: int):
+def _compile(launch, key: KernelKey, pointer_specs, num_scalars: int, dump_dir=None):
     ptrs = [_fake_ptr(dt, al) for dt, al in pointer_specs]
     scalars = [Int32(1)] * num_scalars
-    return cute.compile[cute.GPUArch(key.arch)](launch, *ptrs, *scalars, cuda.CUstream(0))
+    options = [cute.GPUArch(key.arch)]
+    if dump_dir is not None:
+        options += [cute.KeepPTX(), DumpDir(dump_dir)]
+    return cute.compile[tuple(options)](launch, *ptrs, *scalars, cuda.CUstream(0))
 
 
-def compile_forward(key: KernelKey):
+def ptx(key: KernelKey, backward: bool) -> str:
+    """PTX of one direction (for numerics audits: pinned roundings, accurate expf)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (compile_backward if backward else compile_forward)(key, dump_dir=tmp)
+        return "".join(p.read_text() for p in pathlib.Path(tmp).glob("*.ptx"))
+
+
+def compile_forward(key: KernelKey, dump_dir=None):
     dt, a = _DTYPES[key.dtype], key.align_bytes
     specs = [(dt, a), (dt, a), (Float32, 16), (Int32, 4), (Int32, 4), (dt, a), (Float32, 16)]
-    return _compile(_build_forward(key), key, specs, 4)
+    return _compile(_build_forward(key), key, specs, 4, dump_dir)
 
 
-def compile_backward(key: KernelKey):
+def compile_backward(key: KernelKey, dump_dir=None):
     dt, a = _DTYPES[key.dtype], key.align_bytes
     specs = [(dt, a), (dt, a), (dt, a), (Float32, 16), (Int32, 4), (Int32, 4), (dt, a), (dt, a),
              (Float32, 16), (Float32, 16)]
-    return _compile(_build_backward(key), key, specs, 4)
+    return _compile(_build_backward(key), key, specs, 4, dump_dir)

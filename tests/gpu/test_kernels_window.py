@@ -1,0 +1,241 @@
+"""Register-window CuTe-DSL kernels against the fp32 reference on the same GPU.
+
+grad_kv / grad_score must match bit for bit, the forward within one output rounding step,
+every output element must be written (outputs are poisoned with NaN first), and nothing may
+depend on the run. Calls csa_ops.host directly so a failure names the kernel, not the op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EPS, PackSpec, make_pack, spec_params
+
+from csa_ops import host, reference
+from csa_ops.config import WINDOW_MAX
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Ragged packs: empty segments, segments shorter than ratio, tails, spare rows (padding) and
+# spare tokens (token capacity), odd and tiny head dims, every ratio/coff of the family.
+SPECS = (
+    PackSpec((3, 0, 5), ratio=1, coff=1, head_dim=7, extra_tokens=2, extra_rows=2),
+    PackSpec((4, 1, 0, 2), ratio=1, coff=2, head_dim=1, extra_rows=1),
+    PackSpec((5, 0, 1, 8), ratio=2, coff=2, head_dim=65, extra_tokens=3, extra_rows=1),
+    PackSpec((7, 2, 0, 9, 301), ratio=3, coff=1, head_dim=128, extra_rows=3),
+    PackSpec((11, 2, 6, 130), ratio=3, coff=2, head_dim=96, extra_tokens=1),
+    PackSpec((9, 3, 0, 16, 1000, 37), ratio=4, coff=2, head_dim=128, extra_tokens=4,
+             extra_rows=2),
+    PackSpec((13, 4, 0, 257), ratio=4, coff=1, head_dim=512, extra_tokens=2),
+    PackSpec((35, 15, 0, 16, 77), ratio=8, coff=2, head_dim=64, extra_rows=1),
+    PackSpec((50, 0, 16, 9, 100), ratio=16, coff=2, head_dim=7, extra_tokens=5, extra_rows=2),
+    PackSpec((70, 31, 64), ratio=32, coff=1, head_dim=130, extra_rows=1),
+    PackSpec((4096,), ratio=4, coff=2, head_dim=512),
+)
+ACTIVE = [s for s in SPECS if s.ratio * s.coff <= WINDOW_MAX]
+
+
+def _poison_allocator(nbytes: int = 1 << 26) -> None:
+    # The caching allocator hands this NaN-filled block to the kernels' torch.empty outputs,
+    # so an element the kernels never write shows up as NaN.
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.view(torch.float16).fill_(float("nan"))
+    del block
+
+
+def _pack(spec, dtype, seed=0):
+    return make_pack(spec, dtype=dtype, device="cuda", seed=seed)
+
+
+def _grad_out(spec, dtype, seed=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(spec.capacity, spec.head_dim, device="cuda", generator=gen).to(dtype)
+
+
+def _run(pack, grad_out):
+    spec = pack.spec
+    args = (*pack.tensors(), spec.ratio, spec.coff)
+    assert host.supports(*args)
+    _poison_allocator()
+    out = host.compressor_forward(*args, spec.capacity)
+    _poison_allocator()
+    grads = host.compressor_backward(grad_out, *args)
+    return (out, *grads)
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bitwise(a, b, what):
+    """Same bits (zero signs included); any NaN matches any NaN."""
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    bits = _BITS[a.element_size()]
+    same = (a.view(bits) == b.view(bits)) | (torch.isnan(a) & torch.isnan(b))
+    bad = (~same).sum().item()
+    assert bad == 0, f"{what}: {bad} of {a.numel()} elements differ"
+
+
+def _within_one_step(out, ref, dtype):
+    # One output rounding step: |out - ref| <= spacing of ref's binade.
+    diff = (out.double() - ref.double()).abs()
+    spacing = ref.double().abs().clamp_min(2.0**-126) * EPS[dtype]
+    bad = (diff > spacing).sum().item()
+    assert bad <= max(1, out.numel() // 1000), f"forward: {bad} elements beyond one step"
+    assert torch.isnan(out).sum() == torch.isnan(ref).sum()
+
+
+CASES = [pytest.param(s, torch.bfloat16, id=f"{p.id}-bf16")
+         for s, p in zip(ACTIVE, spec_params(ACTIVE))]
+CASES += [pytest.param(ACTIVE[i], dt, id=f"{spec_params(ACTIVE)[i].id}-{str(dt)[6:]}")
+          for i in (0, 2, 5, 8) for dt in (torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize(("spec", "dtype"), CASES)
+def test_matches_reference(spec, dtype):
+    pack = _pack(spec, dtype)
+    grad_out = _grad_out(spec, dtype)
+    out, gkv, gs, gape = _run(pack, grad_out)
+    ref_out = reference.compressor_reference(*pack.args())
+    rkv, rs, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(),
+                                                            spec.ratio, spec.coff)
+    _within_one_step(out, ref_out, dtype)
+    _bitwise(gkv, rkv, "grad_kv")
+    _bitwise(gs, rs, "grad_score")
+    torch.testing.assert_close(gape, rape, atol=1e-3, rtol=1e-3)
+    true_rows = spec.true_rows
+    assert torch.count_nonzero(out[true_rows:]) == 0
+    tokens = sum(spec.lengths)
+    assert torch.count_nonzero(gkv[tokens:]) == 0 and torch.count_nonzero(gs[tokens:]) == 0
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_forward_bitwise_and_deterministic(dtype):
+    spec = PackSpec((4096, 7, 0, 3000), ratio=4, coff=2, head_dim=128, extra_rows=5)
+    pack = _pack(spec, dtype, seed=3)
+    grad_out = _grad_out(spec, dtype, seed=4)
+    first = _run(pack, grad_out)
+    ref_out = reference.compressor_reference(*pack.args())
+    _bitwise(first[0], ref_out, "forward")
+    for _ in range(3):
+        again = _run(pack, grad_out)
+        for a, b, name in zip(first, again, ("out", "grad_kv", "grad_score", "grad_ape")):
+            _bitwise(a, b, f"run-to-run {name}")
+
+
+@pytest.mark.parametrize("coff", (1, 2))
+def test_nan_inf_like_reference(coff):
+    spec = PackSpec((64, 5, 33), ratio=4, coff=coff, head_dim=64, extra_rows=1)
+    pack = _pack(spec, torch.bfloat16, seed=5)
+    pack.score[3, 0] = float("inf")
+    pack.score[10, 1] = float("-inf")
+    pack.score[20, 2] = float("nan")
+    pack.kv[30, 3] = float("inf")
+    pack.score[40:44, 4] = 80.0  # logits near fp32 exp overflow
+    grad_out = _grad_out(spec, torch.bfloat16)
+    grad_out[2, 5] = float("inf")
+    out, gkv, gs, gape = _run(pack, grad_out)
+    ref_out = reference.compressor_reference(*pack.args())
+    rkv, rs, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(), 4, coff)
+    _bitwise(out, ref_out, "forward")
+    _bitwise(gkv, rkv, "grad_kv")
+    _bitwise(gs, rs, "grad_score")
+    assert torch.equal(torch.isnan(gape), torch.isnan(rape))
+    assert torch.equal(torch.isinf(gape), torch.isinf(rape))
+
+
+def test_misaligned_views_fall_back_to_copies():
+    spec = PackSpec((40, 9), ratio=4, coff=2, head_dim=64)
+    pack = _pack(spec, torch.bfloat16, seed=6)
+    width = 2 * 64
+    flat_kv = torch.empty(pack.kv.numel() + 1, dtype=pack.kv.dtype, device="cuda")
+    flat_sc = torch.empty_like(flat_kv)
+    kv = flat_kv[1:].view(-1, width)
+    score = flat_sc[1:].view(-1, width)
+    kv.copy_(pack.kv)
+    score.copy_(pack.score)
+    assert kv.data_ptr() % 16 != 0
+    grad_out = _grad_out(spec, torch.bfloat16)
+    args = (kv, score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp, 4, 2)
+    out = host.compressor_forward(*args, spec.capacity)
+    gkv, gs, _ = host.compressor_backward(grad_out, *args)
+    _bitwise(out, reference.compressor_reference(*pack.args()), "forward")
+    rkv, rs, _ = reference.compressor_backward_reference(grad_out, *pack.tensors(), 4, 2)
+    _bitwise(gkv, rkv, "grad_kv")
+    _bitwise(gs, rs, "grad_score")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adversarial_offsets_stay_in_bounds(seed):
+    # Offsets that are non-monotonic, negative, past T or huge must not fault; the result is
+    # unspecified, but every later kernel on the device must still run.
+    gen = torch.Generator().manual_seed(seed)
+    spec = PackSpec((64, 64), ratio=4, coff=2, head_dim=64, extra_rows=4)
+    pack = _pack(spec, torch.bfloat16, seed=seed)
+    for _ in range(6):
+        choices = torch.tensor([0, 1, 5, 64, 127, 128, 129, 10**6, -1, -(2**31), 2**31 - 1])
+        cu = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32)
+        cuc = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32)
+        args = (pack.kv, pack.score, pack.ape, cu.cuda(), cuc.cuda(), 4, 2)
+        host.compressor_forward(*args, spec.capacity)
+        host.compressor_backward(_grad_out(spec, torch.bfloat16), *args)
+    torch.cuda.synchronize()
+    out = host.compressor_forward(*pack.tensors(), 4, 2, spec.capacity)
+    _bitwise(out, reference.compressor_reference(*pack.args()), "forward after adversarial")
+
+
+def test_capacity_smaller_than_true_count_drops_rows():
+    spec = PackSpec((64, 32), ratio=4, coff=2, head_dim=64)
+    pack = _pack(spec, torch.bfloat16, seed=8)
+    rows = spec.true_rows - 5
+    grad_out = _grad_out(spec, torch.bfloat16)[:rows].contiguous()
+    args = (*pack.tensors(), 4, 2)
+    out = host.compressor_forward(*args, rows)
+    full = reference.compressor_reference(*pack.args())
+    _bitwise(out, full[:rows], "forward truncated")
+    gkv, _, _ = host.compressor_backward(grad_out, *args)
+    padded = torch.cat([grad_out, torch.zeros_like(full[rows:])])
+    rkv, _, _ = reference.compressor_backward_reference(padded, *pack.tensors(), 4, 2)
+    _bitwise(gkv, rkv, "grad_kv truncated")  # dropped rows feed nothing: same as zero grads
+
+
+def test_graph_capture_needs_precompile_and_replays():
+    spec = PackSpec((256, 100), ratio=2, coff=2, head_dim=32, extra_rows=3)
+    pack = _pack(spec, torch.bfloat16, seed=9)
+    grad_out = _grad_out(spec, torch.bfloat16)
+    args = (*pack.tensors(), 2, 2)
+    host.cache_clear()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="precompile"), torch.cuda.graph(graph,
+                                                                               stream=stream):
+            host.compressor_forward(*args, spec.capacity)
+    keys = host.precompile(2, 32, 2, torch.bfloat16)
+    assert host.cache_info()["size"] == 2 and len(keys) == 2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = host.compressor_forward(*args, spec.capacity)
+        gkv, gs, gape = host.compressor_backward(grad_out, *args)
+    misses = host.cache_info()["misses"]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert host.cache_info()["misses"] == misses
+    _bitwise(out, reference.compressor_reference(*pack.args()), "graph forward")
+    rkv, rs, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(), 2, 2)
+    _bitwise(gkv, rkv, "graph grad_kv")
+    _bitwise(gs, rs, "graph grad_score")
+    torch.testing.assert_close(gape, rape, atol=1e-3, rtol=1e-3)
+
+
+def test_exp_matches_torch_over_many_arguments():
+    # One token of each two-token window gets logit x in [-100, 0], the other 0, so every
+    # output depends on the kernel's exp(x) being torch's bit for bit (131072 values of x).
+    spec = PackSpec((2,) * 4096, ratio=2, coff=1, head_dim=64)
+    pack = _pack(spec, torch.float32, seed=10)
+    x = -torch.rand(spec.num_tokens // 2, 64, device="cuda", dtype=torch.float64) * 100
+    pack.score.view(-1, 2, 64)[:, 0] = x.float()
+    pack.score.view(-1, 2, 64)[:, 1] = 0.0
+    pack.ape.zero_()
+    out = host.compressor_forward(*pack.tensors(), 2, 1, spec.capacity)
+    _bitwise(out, reference.compressor_reference(*pack.args()), "exp-dominated forward")

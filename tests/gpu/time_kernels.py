@@ -1,0 +1,142 @@
+"""Kernel timing of the CuTe-DSL compressor kernels on the current GPU (not collected by pytest).
+
+Per shape: device-to-device copy bandwidth (the DRAM ceiling), then forward and backward
+kernel time per call from CUDA-graph replays of 20 launches that rotate over input sets
+larger than L2, and the host time of one eager call. Prints a table; --json writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from csa_ops import host
+
+SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
+    (1, 8192, 128, 4, 2),
+    (3, 8192, 128, 4, 2),
+    (1, 8192, 512, 4, 2),
+    (3, 8192, 512, 4, 2),
+    (1, 65536, 512, 4, 2),
+    (1, 8192, 128, 4, 1),
+    (1, 8192, 128, 2, 2),
+    (3, 8192, 512, 2, 2),
+    (1, 16384, 128, 16, 2),
+)
+L2_BYTES = 60 * 2**20
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
+
+
+def _inputs(segs, seqlen, d, ratio, coff, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = segs * seqlen
+    kv = torch.randn(tokens, coff * d, device="cuda", generator=gen).to(dtype)
+    score = (2 * torch.randn(tokens, coff * d, device="cuda", generator=gen)).to(dtype)
+    ape = 0.5 * torch.randn(ratio, coff * d, device="cuda", generator=gen)
+    cu = torch.arange(segs + 1, dtype=torch.int32, device="cuda") * seqlen
+    cuc = torch.arange(segs + 1, dtype=torch.int32, device="cuda") * (seqlen // ratio)
+    rows = segs * (seqlen // ratio)
+    grad_out = torch.randn(rows, d, device="cuda", generator=gen).to(dtype)
+    return kv, score, ape, cu, cuc, rows, grad_out
+
+
+def _graph_time(fn, sets, launches=20, replays=30) -> float:
+    for s in sets:
+        fn(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            fn(sets[i % len(sets)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * launches))
+    return sorted(times)[len(times) // 2]
+
+
+def _host_time(fn, s, calls=200) -> float:
+    for _ in range(10):
+        fn(s)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn(s)
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows_out = []
+    for segs, seqlen, d, ratio, coff in SHAPES:
+        eb = torch.tensor([], dtype=dtype).element_size()
+        tokens = segs * seqlen
+        rows = segs * (seqlen // ratio)
+        in_bytes = 2 * tokens * coff * d * eb
+        fwd_bytes = in_bytes + rows * d * eb
+        bwd_bytes = fwd_bytes + rows * d * eb + in_bytes
+        nsets = max(1, min(8, -(-3 * L2_BYTES // max(1, in_bytes))))
+        sets = [_inputs(segs, seqlen, d, ratio, coff, dtype, seed) for seed in range(nsets)]
+        host.precompile(ratio, d, coff, dtype)
+
+        def fwd(s, ratio=ratio, coff=coff):
+            return host.compressor_forward(*s[:5], ratio, coff, s[5])
+
+        def bwd(s, ratio=ratio, coff=coff):
+            return host.compressor_backward(s[6], *s[:5], ratio, coff)
+
+        t_fwd, t_bwd = _graph_time(fwd, sets), _graph_time(bwd, sets)
+        h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])
+        floor_f, floor_b = fwd_bytes / bw * 1e6, bwd_bytes / bw * 1e6
+        rec = {"shape": f"{segs}x{seqlen} d{d} r{ratio} c{coff}", "fwd_us": t_fwd,
+               "bwd_us": t_bwd, "floor_fwd_us": floor_f, "floor_bwd_us": floor_b,
+               "host_fwd_us": h_fwd, "host_bwd_us": h_bwd}
+        rows_out.append(rec)
+        del sets
+        torch.cuda.empty_cache()
+    print(f"{'shape':<26}{'fwd us':>8}{'floor':>7}{'x':>6}{'bwd us':>8}{'floor':>7}{'x':>6}"
+          f"{'host f':>8}{'host b':>8}")
+    for r in rows_out:
+        print(f"{r['shape']:<26}{r['fwd_us']:8.2f}{r['floor_fwd_us']:7.2f}"
+              f"{r['fwd_us'] / r['floor_fwd_us']:6.2f}{r['bwd_us']:8.2f}{r['floor_bwd_us']:7.2f}"
+              f"{r['bwd_us'] / r['floor_bwd_us']:6.2f}{r['host_fwd_us']:8.1f}"
+              f"{r['host_bwd_us']:8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            report = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows_out}
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Cross-compiles the register-window kernels for sm_90a and sm_100a without a GPU.
+
+Runs in CI on CPU machines: compiles forward and backward over a spread of ratios, head dims
+(odd ones too), coffs and dtypes, through the same csa_ops.host.precompile entry that users
+call, and audits the PTX numerics the bitwise contract rests on.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from csa_ops import host
+from csa_ops.config import KernelKey, window_key
+from csa_ops.kernels import window
+
+ARCHS = ("sm_90a", "sm_100a")
+CONFIGS = (  # ratio, coff, head_dim, dtype
+    (4, 2, 128, torch.bfloat16),
+    (4, 2, 512, torch.bfloat16),
+    (2, 2, 128, torch.float16),
+    (1, 1, 7, torch.bfloat16),
+    (3, 2, 65, torch.float16),
+    (4, 1, 1, torch.bfloat16),
+    (16, 2, 64, torch.bfloat16),
+    (32, 1, 130, torch.float16),
+    (8, 1, 96, torch.float32),
+)
+
+
+def _cid(cfg):
+    ratio, coff, head_dim, dtype = cfg
+    return f"r{ratio}_c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[_cid(c) for c in CONFIGS])
+def test_precompile_cross_arch(cfg, arch):
+    ratio, coff, head_dim, dtype = cfg
+    before = host.cache_info()
+    keys = host.precompile(ratio, head_dim, coff, dtype, arch=arch)
+    assert [k.arch for k in keys] == [arch, arch]
+    assert all(k.family == "window" for k in keys)
+    after = host.cache_info()
+    assert after["size"] - before["size"] == 2
+    host.precompile(ratio, head_dim, coff, dtype, arch=arch)
+    assert host.cache_info()["misses"] == after["misses"]  # second call: cache hits only
+
+
+@pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
+    key = window_key(4, 2, 128, "bfloat16", arch, backward)
+    text = window.ptx(key, backward)
+    assert f".target {arch}" in text
+    exps = text.count("ex2.approx.ftz.f32")
+    assert exps == key.window * key.vec  # one exp per window entry and column
+    # libdevice expf: one fma.rm range reduction, three fma.rn, one unpinned mul and add per
+    # exp. Any other FMA or unpinned mul/add would be a contraction of our arithmetic.
+    assert text.count("fma.rm.f32") == exps
+    assert text.count("fma.rn.f32") == 3 * exps
+    assert len(re.findall(r"\tmul\.f32", text)) == exps
+    assert len(re.findall(r"\tadd\.f32", text)) == exps
+    assert text.count("div.rn.f32") == exps  # IEEE division, one per probability
+    for approx in ("div.approx", "div.full", "rcp.approx", "fma.rz", "lg2.approx"):
+        assert approx not in text
+    assert "ld.global.v4" in text and "st.global.v4" in text  # 16-byte accesses
+
+
+def test_wide_windows_trade_vector_width():
+    assert window_key(4, 2, 128, "bfloat16", "sm_90a", True).vec == 8
+    assert window_key(16, 2, 128, "bfloat16", "sm_90a", True).vec == 2
+    assert window_key(1, 1, 7, "bfloat16", "sm_90a", False).vec == 1
+    assert window_key(4, 2, 128, "float32", "sm_90a", False).vec == 4
+
+
+def test_key_rejects_bad_values():
+    with pytest.raises(ValueError, match="arch"):
+        KernelKey("window", 4, 2, 128, "bfloat16", "sm_80")
+    with pytest.raises(ValueError, match="dtype"):
+        KernelKey("window", 4, 2, 128, "int8", "sm_90a")
+    with pytest.raises(ValueError, match="vec"):
+        KernelKey("window", 4, 2, 100, "bfloat16", "sm_90a", vec=8)
+    with pytest.raises(ValueError, match="arch"):
+        host.precompile(4, 128, 2, torch.bfloat16, arch="sm_75")
