@@ -1,0 +1,568 @@
+"""Streaming CuTe-DSL kernels of the compressor for large windows (coff * ratio > WINDOW_MAX).
+
+A CTA owns a column block (cv vectors of `vec` columns) and a strided set of output rows. Per
+row, cp.async brings the window tile into shared memory in coalesced 128-byte rows, `stages-1`
+rows ahead, so each input element leaves DRAM once. Warp w then owns column vector w % cv and
+a 32 * kt slice of the window (one entry per lane and step): the softmax runs as exact passes
+over the tile (max; then exp, sum and sum e*v) with reductions by warp shuffles in a fixed
+order (bitwise run-to-run deterministic). The backward writes its gradients back into the tile
+and stores them coalesced. grad_ape: per-CTA partials in registers, written to the workspace
+and summed over CTAs in a fixed order by a second kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from ..config import ELEM_BYTES, KernelKey, LaunchPlan, widest_vec
+
+MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
+MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
+SMEM_PER_SM = 227 * 1024
+FWD_FAST_EXP = 1  # forward exp via ex2.approx: within one output rounding step
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def _shape(window: int, head_dim: int, vec: int) -> tuple[int, int, int]:
+    """(cv, wpc, kt): column vectors per CTA, warps per column vector, entries per lane."""
+    wpc = _pow2_ceil(-(-window // (32 * MAX_KT)))
+    cv = max(1, min(8, _pow2_ceil(-(-head_dim // vec)), 16 // wpc))
+    kt = -(-window // (32 * wpc))
+    return cv, wpc, kt
+
+
+def _smem_bytes(key: KernelKey, backward: bool, stages: int) -> int:
+    cv, wpc, kt = _shape(key.window, key.head_dim, key.vec)
+    cols, wpad = cv * key.vec, 32 * kt * wpc
+    stage = (2 * wpad + (1 if backward else 0)) * cols * ELEM_BYTES[key.dtype]
+    fixed = wpad * cols * 4 + 3 * cols * wpc * 4 + 2 * MAX_ROWS * 4
+    return fixed + stages * stage + 1024
+
+
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+              backward: bool) -> KernelKey:
+    eb = ELEM_BYTES[dtype]
+    vec = widest_vec(head_dim, eb, 16 // eb)
+    cv, wpc, kt = _shape(coff * ratio, head_dim, vec)
+    nt = 32 * cv * wpc
+    key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt)
+    ctas = max(1, min(2, 512 // nt))
+    stages = 1
+    while ctas >= 1:
+        fits = [s for s in (4, 3, 2) if _smem_bytes(key, backward, s) * ctas <= SMEM_PER_SM]
+        if fits:
+            stages = fits[0]
+            break
+        ctas -= 1
+    ctas = max(ctas, 1)
+    knobs = (("cv", cv), ("wpc", wpc), ("kt", kt), ("stages", stages), ("ctas", ctas),
+             ("fast_exp", 0 if backward else FWD_FAST_EXP))
+    return KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
+                     knobs=knobs)
+
+
+def supports(key: KernelKey) -> bool:
+    if key.family != "streaming" or key.dtype not in ("bfloat16", "float16"):
+        return False
+    cv, wpc, kt = (key.knob(n, 0) for n in ("cv", "wpc", "kt"))
+    if min(cv, wpc, kt) < 1 or kt > MAX_KT or key.threads != 32 * cv * wpc or key.knob("stages", 1) < 2:
+        return False
+    if key.threads > 1024 or 32 * wpc * kt < key.window or 32 % key.vec:
+        return False
+    backward = key.knob("fast_exp", 0) == 0
+    return _smem_bytes(key, backward, key.knob("stages", 1)) <= SMEM_PER_SM
+
+
+def _plan(key: KernelKey, num_rows: int, num_sms: int, backward: bool) -> LaunchPlan:
+    cb = -(-key.head_dim // (key.knob("cv", 1) * key.vec))
+    slots = max(1, num_sms * key.knob("ctas", 1))
+    groups = min(max(1, slots // cb), max(1, num_rows))
+    # Even out rows per CTA and keep each CTA's rows within its row table.
+    per_cta = min(max(1, -(-num_rows // groups)), MAX_ROWS)
+    groups = max(1, -(-num_rows // per_cta))
+    work = groups * key.ratio * key.coff * key.head_dim if backward else 0
+    return LaunchPlan(grid=groups * cb, workspace=work)
+
+
+def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    return _plan(key, num_rows, num_sms, False)
+
+
+def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    return _plan(key, num_rows, num_sms, True)
+
+
+def compile_forward(key: KernelKey):
+    return _compile(key, backward=False)
+
+
+def compile_backward(key: KernelKey):
+    return _compile(key, backward=True)
+
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+_LOG2E = 1.4426950408889634
+
+
+def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
+    """A flat n-element view of a sliced vector (the shape cute.copy expects)."""
+    return cute.make_tensor(t.iterator, cute.make_layout(n))
+
+
+class _Streaming:
+    """One compiled configuration; every attribute is a compile-time constant."""
+
+    def __init__(self, key: KernelKey, backward: bool):
+        self.dtype = _DTYPES[key.dtype]
+        self.d, self.r, self.co = key.head_dim, key.ratio, key.coff
+        self.w = self.r * self.co
+        self.vec, self.nt = key.vec, key.threads
+        self.cv, self.wpc, self.kt = key.knob("cv", 1), key.knob("wpc", 1), key.knob("kt", 1)
+        self.wpad = 32 * self.kt * self.wpc
+        self.stages, self.ctas = key.knob("stages", 1), key.knob("ctas", 1)
+        self.fast_exp = bool(key.knob("fast_exp", 0))
+        self.bwd = backward
+        self.ncv = self.d // self.vec  # column vectors per coff-half
+        self.cb = -(-self.ncv // self.cv)
+        self.av = min(4, self.vec)  # fp32 ape access (16 bytes at most)
+        self.ah = self.vec // self.av
+        self.lv = int(math.log2(self.vec))
+        self.lpc = 32 // self.vec  # lanes that end up holding one column's reduction
+        self.loads = -(-self.w * self.cv // self.nt)  # tile vectors per thread per tensor
+        # Tile rows are cv 16-byte chunks; xor-swizzle the chunk by the row so the 32 rows a
+        # warp reads at one column vector fall in distinct banks.
+        self.rpl = max(1, 128 // (self.cv * self.vec * 2))
+        # e is kept as exp(l - m) * 2**-shift: sum(e * v) then cannot overflow before max|v|.
+        self.shift = max(0, math.ceil(math.log2(self.w)))
+        self.async_copy = self.vec * 2 >= 4  # cp.async moves 4, 8 or 16 bytes
+
+    # ---------------------------------------------------------------- small helpers
+    def _phys(self, cv, k):
+        return cv ^ ((k // self.rpl) % self.cv)
+
+    @cute.jit
+    def _load_f32(self, src):
+        frag = cute.make_rmem_tensor((self.vec,), Float32)
+        frag.store(src.load().to(Float32))
+        return frag
+
+    @cute.jit
+    def _store(self, dst, vals):
+        frag = cute.make_rmem_tensor((self.vec,), Float32)
+        for v in cutlass.range_constexpr(self.vec):
+            frag[v] = vals[v]
+        dst.store(frag.load().to(self.dtype))
+
+    @cute.jit
+    def _op(self, a, b, is_max):
+        res = a + b
+        if const_expr(is_max):
+            res = cute.arch.fmax(a, b, nan=True)
+        return res
+
+    @cute.jit
+    def _scatter(self, vals, lane, is_max):
+        """Warp reduction of vec per-column values; lane keeps column (lane >> (5-lv)) % vec.
+
+        Reduce-scatter: each butterfly step halves the values a lane carries, so the whole
+        reduction costs about 2 * vec shuffles instead of 5 * vec. IEEE add and max commute,
+        so the lanes sharing a column agree bit for bit."""
+        cur = [vals[v] for v in range(self.vec)]
+        for step in cutlass.range_constexpr(5):
+            off = 16 >> step
+            n = len(cur)
+            if const_expr(n > 1):
+                upper = ((lane >> (4 - step)) & 1) == 1
+                half = n // 2
+                nxt = []
+                for j in cutlass.range_constexpr(half):
+                    keep = cutlass.select_(upper, cur[j + half], cur[j])
+                    send = cutlass.select_(upper, cur[j], cur[j + half])
+                    nxt.append(self._op(keep, cute.arch.shuffle_sync_bfly(send, offset=off),
+                                        is_max))
+                cur = nxt
+            else:
+                cur = [self._op(cur[0], cute.arch.shuffle_sync_bfly(cur[0], offset=off),
+                                is_max)]
+        return cur[0]
+
+    @cute.jit
+    def _gather(self, x):
+        """Inverse of _scatter's layout: every lane gets all vec columns."""
+        return [cute.arch.shuffle_sync(x, offset=v << (5 - self.lv)) for v in range(self.vec)]
+
+    @cute.jit
+    def _cross(self, x, sRed, kind, lane, cvw, wp, col, is_max):
+        """Combine the per-warp results of warps sharing a column vector, in warp order."""
+        res = x
+        if const_expr(self.wpc > 1):
+            if lane % self.lpc == 0:
+                sRed[col, wp, cvw, kind] = x
+            cute.arch.barrier()
+            res = sRed[col, 0, cvw, kind]
+            for w in cutlass.range_constexpr(1, self.wpc):
+                res = self._op(res, sRed[col, w, cvw, kind], is_max)
+        return res
+
+    @cute.jit
+    def _entry_ok(self, k, t0, fl, num_tokens):
+        """Entry k of a row exists: inside the window and the token range, and for coff 2 a
+        first-half entry needs a previous block in the segment (flag bit 1)."""
+        tk = t0 + k
+        ok = k < self.w and tk >= 0 and tk < num_tokens
+        if const_expr(self.co == 2):
+            ok = ok and (fl >= 2 or k >= self.r)
+        return ok
+
+    @cute.jit
+    def _zero_range(self, gA, gB, ta, tb, half, cb, tid):
+        """Zero this block's columns of tokens [ta, tb), coff-half `half`, in gA and gB."""
+        zero = cute.make_rmem_tensor((self.vec,), self.dtype)
+        zero.fill(0.0)
+        for idx in cutlass.range(tid, (tb - ta) * self.cv, self.nt, unroll=1):
+            c = cb * self.cv + idx % self.cv
+            if c < self.ncv:
+                t = ta + idx // self.cv
+                gA[(None, (t, half * self.ncv + c))].store(zero.load())
+                gB[(None, (t, half * self.ncv + c))].store(zero.load())
+
+    # ---------------------------------------------------------------- the kernel
+    @cute.kernel
+    def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
+               mCuc: cute.Tensor, gOut: cute.Tensor, gGo: cute.Tensor, gGkv: cute.Tensor,
+               gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
+               num_segs: Int32, groups: Int32):
+        VEC, CV, S, R, W = self.vec, self.cv, self.stages, self.r, self.w
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        cb = bid % self.cb
+        rg = bid // self.cb
+        lane = tid % 32
+        warp = tid // 32
+        cvw = warp % CV
+        wp = warp // CV
+
+        smem = cutlass.memory.SmemAllocator()
+        sTile = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, self.wpad, 2, S)),
+                                     128)
+        sApe = smem.allocate_tensor(
+            Float32, cute.make_layout((self.av, self.wpad, self.ah, CV)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.wpc, CV, 3)), 16)
+        sT0 = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
+        sFl = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
+        sG = sRed
+        if const_expr(self.bwd):
+            sG = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, S)), 16)
+
+        # The CTA's ape tile, once: entry k reads ape row k % ratio, coff-half k // ratio.
+        for r in cutlass.range_constexpr(self.kt * self.ah):
+            q = tid + self.nt * r
+            k = q // (CV * self.ah)
+            c = (q // self.ah) % CV
+            h = q % self.ah
+            colc = cb * CV + c
+            if k < W and colc < self.ncv:
+                half = k // R
+                src = gApe[(None, (k - half * R, ((half * self.ncv + colc) * VEC) // self.av + h))]
+                sApe[(None, k, h, c)].store(src.load())
+
+        # Row table: first window token and flags (bit 0: real row, bit 1: has a previous
+        # block) of each row this CTA owns; one binary search per row, all rows in parallel.
+        nr = Int32(0)
+        if rg < num_rows:
+            nr = cutlass.min((num_rows - rg + groups - 1) // groups, MAX_ROWS)
+        for j in cutlass.range(tid, nr, self.nt, unroll=1):
+            n = rg + j * groups
+            lo = Int32(0)
+            hi = num_segs
+            while lo < hi:  # segment: how many of cuc[1:] are <= n (the reference's search)
+                mid = (lo + hi) // 2
+                if mCuc[mid + 1] <= n:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            seg = cutlass.max(cutlass.min(lo, num_segs - 1), 0)
+            block = n - mCuc[seg]
+            t0 = Int64(mCu[seg]) + Int64(block) * R - (self.co - 1) * R
+            t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-W - 1))
+            sT0[j] = Int32(t0)
+            sFl[j] = Int32(n < mCuc[num_segs] and num_segs > 0) + 2 * Int32(block > 0)
+
+        mode = cute.nvgpu.LoadCacheMode.ALWAYS
+        if const_expr(VEC * self.dtype.width == 128):
+            mode = cute.nvgpu.LoadCacheMode.GLOBAL
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.dtype,
+                                   num_bits_per_copy=max(32, VEC * self.dtype.width))
+        gacc = cute.make_rmem_tensor((self.kt * VEC,), Float32)
+        gacc.fill(0.0)
+        cute.arch.barrier()
+
+        for p in cutlass.range_constexpr(S - 1):
+            if p < nr:
+                self._issue(Int32(p), p, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg,
+                            groups, num_tokens, atom)
+            cute.arch.cp_async_commit_group()
+        for j in cutlass.range(nr, unroll=1):
+            cute.arch.cp_async_wait_group(S - 2)
+            # Row j's tile is complete for every thread, and row j-1's stage is free.
+            cute.arch.barrier()
+            jn = j + S - 1
+            if jn < nr:
+                self._issue(jn, jn % S, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg,
+                            groups, num_tokens, atom)
+            cute.arch.cp_async_commit_group()
+            fl = sFl[j]
+            if (fl & 1) != 0:
+                self._row(sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S,
+                          rg + j * groups, sT0[j], fl, num_tokens, tid, lane, cvw, wp, cb)
+            elif const_expr(not self.bwd):
+                if lane == 0 and wp == 0 and cb * CV + cvw < self.ncv:
+                    self._store(gOut[(None, (rg + j * groups, cb * CV + cvw))],
+                                [Float32(0.0)] * VEC)
+
+        if const_expr(self.bwd):
+            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, lane, cvw, wp, cb, rg, tid,
+                           num_tokens, num_segs, groups)
+
+    @cute.jit
+    def _issue(self, j, st, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg, groups,
+               num_tokens, atom):
+        """Start row j's tile copy (coalesced: consecutive threads, consecutive vectors)."""
+        t0 = sT0[j]
+        fl = sFl[j]
+        if (fl & 1) != 0:
+            for r in cutlass.range_constexpr(self.loads):
+                q = tid + self.nt * r
+                k = q // self.cv
+                c = q % self.cv
+                colc = cb * self.cv + c
+                if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
+                    tk = t0 + k
+                    gc = (k // self.r) * self.ncv + colc
+                    ph = self._phys(c, k)
+                    self._copy(atom, gSc[(None, (tk, gc))], sTile[(None, ph, k, 0, st)])
+                    self._copy(atom, gKV[(None, (tk, gc))], sTile[(None, ph, k, 1, st)])
+            if const_expr(self.bwd):
+                if tid < self.cv and cb * self.cv + tid < self.ncv:
+                    self._copy(atom, gGo[(None, (rg + j * groups, cb * self.cv + tid))],
+                               sG[(None, tid, st)])
+
+    @cute.jit
+    def _copy(self, atom, src, dst):
+        if const_expr(self.async_copy):
+            cute.copy(atom, _flat(src, self.vec), _flat(dst, self.vec))
+        else:
+            dst.store(src.load())
+
+    @cute.jit
+    def _row(self, sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, st, n, t0, fl, num_tokens,
+             tid, lane, cvw, wp, cb):
+        """Softmax pooling (forward) or its gradient (backward) of one row's column block.
+
+        Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e, a = sum e * v;
+        out = a / s. Backward: grad_v = e * (g / s), grad_l = grad_v * (v - out), which is
+        p * (g * v - dot) with dot = g * out."""
+        VEC, KT = self.vec, self.kt
+        kk = [(wp * KT + i) * 32 + lane for i in range(KT)]
+        ok = [self._entry_ok(kk[i], t0, fl, num_tokens) for i in range(KT)]
+        ph = [self._phys(cvw, kk[i]) for i in range(KT)]
+        col = (lane >> (5 - self.lv)) % VEC
+        ninf = Float32(-math.inf)
+        zero = Float32(0.0)
+        lg = cute.make_rmem_tensor((KT * VEC,), Float32)
+        mloc = cute.make_rmem_tensor((VEC,), Float32)
+        mloc.fill(-math.inf)
+        for i in cutlass.range_constexpr(KT):
+            sc = self._load_f32(sTile[(None, ph[i], kk[i], 0, st)])
+            ap = cute.make_rmem_tensor((VEC,), Float32)
+            for h in cutlass.range_constexpr(self.ah):
+                part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
+                part.store(sApe[(None, kk[i], h, cvw)].load())
+            for v in cutlass.range_constexpr(VEC):
+                x = cutlass.select_(ok[i], sc[v] + ap[v], ninf)
+                lg[i * VEC + v] = x
+                mloc[v] = cute.arch.fmax(mloc[v], x, nan=True)
+        m_c = self._cross(self._scatter(mloc, lane, True), sRed, 0, lane, cvw, wp, col, True)
+        if const_expr(self.fast_exp):
+            m_c = m_c * _LOG2E + self.shift
+        m = self._gather(m_c)
+        sloc = cute.make_rmem_tensor((VEC,), Float32)
+        aloc = cute.make_rmem_tensor((VEC,), Float32)
+        sloc.fill(0.0)
+        aloc.fill(0.0)
+        scale = Float32(2.0 ** -self.shift)
+        for i in cutlass.range_constexpr(KT):
+            kv = self._load_f32(sTile[(None, ph[i], kk[i], 1, st)])
+            for v in cutlass.range_constexpr(VEC):
+                e = zero
+                if const_expr(self.fast_exp):
+                    e = cute.math.exp2(lg[i * VEC + v] * _LOG2E - m[v], fastmath=True)
+                else:
+                    e = cute.math.exp(lg[i * VEC + v] - m[v]) * scale
+                lg[i * VEC + v] = e
+                sloc[v] = sloc[v] + e
+                aloc[v] = aloc[v] + e * cutlass.select_(ok[i], kv[v], zero)
+        s_c = self._cross(self._scatter(sloc, lane, False), sRed, 1, lane, cvw, wp, col, False)
+        a_c = self._cross(self._scatter(aloc, lane, False), sRed, 2, lane, cvw, wp, col, False)
+        colw = cb * self.cv + cvw
+        if const_expr(not self.bwd):
+            out = self._gather(a_c / s_c)
+            if lane == 0 and wp == 0 and colw < self.ncv:
+                self._store(gOut[(None, (n, colw))], out)
+        else:
+            pg = self._gather(Float32(sG[col, cvw, st]) / s_c)
+            out = self._gather(a_c / s_c)
+            for i in cutlass.range_constexpr(KT):
+                kv = self._load_f32(sTile[(None, ph[i], kk[i], 1, st)])
+                gv = [None] * VEC
+                gl = [None] * VEC
+                for v in cutlass.range_constexpr(VEC):
+                    gv[v] = lg[i * VEC + v] * pg[v]
+                    gl[v] = gv[v] * (kv[v] - out[v])
+                    gacc[i * VEC + v] = gacc[i * VEC + v] + cutlass.select_(ok[i], gl[v], zero)
+                # Gradients go back into the tile slots this lane read, then out coalesced.
+                self._store(sTile[(None, ph[i], kk[i], 1, st)], gv)
+                self._store(sTile[(None, ph[i], kk[i], 0, st)], gl)
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(self.loads):
+                q = tid + self.nt * r
+                k = q // self.cv
+                c = q % self.cv
+                colc = cb * self.cv + c
+                if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
+                    tk = t0 + k
+                    gc = (k // self.r) * self.ncv + colc
+                    p = self._phys(c, k)
+                    gGkv[(None, (tk, gc))].store(sTile[(None, p, k, 1, st)].load())
+                    gGsc[(None, (tk, gc))].store(sTile[(None, p, k, 0, st)].load())
+
+    @cute.jit
+    def _epilogue(self, gacc, gWork, gGkv, gGsc, mCu, lane, cvw, wp, cb, rg, tid, num_tokens,
+                  num_segs, groups):
+        """grad_ape partials of this CTA, then zeros for the elements no window consumes."""
+        VEC, R = self.vec, self.r
+        colw = cb * self.cv + cvw
+        for i in cutlass.range_constexpr(self.kt):
+            k = (wp * self.kt + i) * 32 + lane
+            if k < self.w and colw < self.ncv:
+                half = k // R
+                for h in cutlass.range_constexpr(self.ah):
+                    frag = cute.make_rmem_tensor((self.av,), Float32)
+                    for v in cutlass.range_constexpr(self.av):
+                        frag[v] = gacc[i * VEC + h * self.av + v]
+                    c = ((half * self.ncv + colw) * VEC) // self.av + h
+                    gWork[(None, (rg * R + k - half * R, c))].store(frag.load())
+        T = num_tokens
+        for s in cutlass.range(rg, num_segs, groups, unroll=1):
+            a = cutlass.max(cutlass.min(mCu[s], T), 0)
+            e = cutlass.max(cutlass.min(mCu[s + 1], T), a)
+            tail = a + ((e - a) // R) * R
+            for hh in cutlass.range_constexpr(self.co):
+                self._zero_range(gGkv, gGsc, tail, e, hh, cb, tid)
+            if const_expr(self.co == 2):
+                if tail > a:  # first halves of the last block feed no window
+                    self._zero_range(gGkv, gGsc, tail - R, tail, 0, cb, tid)
+        first = cutlass.max(cutlass.min(mCu[0], T), 0)
+        last = cutlass.max(cutlass.min(mCu[num_segs], T), 0)
+        chunk = (T - last + groups - 1) // groups
+        lo = last + rg * chunk
+        hi = cutlass.min(lo + chunk, T)
+        for hh in cutlass.range_constexpr(self.co):
+            if rg == 0:
+                self._zero_range(gGkv, gGsc, 0, first, hh, cb, tid)
+            if lo < hi:
+                self._zero_range(gGkv, gGsc, lo, hi, hh, cb, tid)
+
+    @cute.kernel
+    def combine(self, mWork: cute.Tensor, mGape: cute.Tensor, groups: Int32):
+        """grad_ape[e] = sum of the CTA partials, groups ascending."""
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        e = bid * 256 + tid
+        size = self.r * self.co * self.d
+        if e < size:
+            acc = Float32(0.0)
+            for g in cutlass.range(groups, unroll=8):
+                acc = acc + mWork[g * size + e]
+            mGape[e] = acc
+
+    # ---------------------------------------------------------------- launch entries
+    def _launch_main(self, gKV, gSc, p_ape, p_cu, p_cuc, gOut, gGo, gGkv, gGsc, gWork,
+                     num_tokens, num_rows, num_segs, groups, stream):
+        width = self.co * self.d
+        gApe = cute.zipped_divide(
+            cute.make_tensor(p_ape, cute.make_layout((self.r, width), stride=(width, 1))),
+            (1, self.av))
+        mCu = cute.make_tensor(p_cu, cute.make_layout(num_segs + 1))
+        mCuc = cute.make_tensor(p_cuc, cute.make_layout(num_segs + 1))
+        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, gGo, gGkv, gGsc, gWork, num_tokens,
+                    num_rows, num_segs, groups).launch(
+            grid=(groups * self.cb, 1, 1), block=(self.nt, 1, 1), stream=stream,
+            min_blocks_per_mp=self.ctas, preferred_smem_carveout=100)
+
+    def _rows(self, ptr, rows, cols):
+        return cute.zipped_divide(
+            cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1))),
+            (1, self.vec))
+
+    @cute.jit
+    def forward(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
+                p_cu: cute.Pointer, p_cuc: cute.Pointer, p_out: cute.Pointer,
+                p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
+                grid: Int32, stream):
+        width = self.co * self.d
+        gKV = self._rows(p_kv, num_tokens, width)
+        gSc = self._rows(p_score, num_tokens, width)
+        gOut = self._rows(p_out, num_rows, self.d)
+        self._launch_main(gKV, gSc, p_ape, p_cu, p_cuc, gOut, gOut, gOut, gOut, gOut,
+                          num_tokens, num_rows, num_segs, grid // self.cb, stream)
+
+    @cute.jit
+    def backward(self, p_go: cute.Pointer, p_kv: cute.Pointer, p_score: cute.Pointer,
+                 p_ape: cute.Pointer, p_cu: cute.Pointer, p_cuc: cute.Pointer,
+                 p_gkv: cute.Pointer, p_gsc: cute.Pointer, p_gape: cute.Pointer,
+                 p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
+                 grid: Int32, stream):
+        width = self.co * self.d
+        groups = grid // self.cb
+        gWork = cute.zipped_divide(cute.make_tensor(
+            p_work, cute.make_layout((groups * self.r, width), stride=(width, 1))),
+            (1, self.av))
+        self._launch_main(self._rows(p_kv, num_tokens, width),
+                          self._rows(p_score, num_tokens, width), p_ape, p_cu, p_cuc,
+                          self._rows(p_go, num_rows, self.d), self._rows(p_go, num_rows, self.d),
+                          self._rows(p_gkv, num_tokens, width),
+                          self._rows(p_gsc, num_tokens, width), gWork, num_tokens, num_rows,
+                          num_segs, groups, stream)
+        size = self.r * width
+        mWork = cute.make_tensor(p_work, cute.make_layout(groups * size))
+        mGape = cute.make_tensor(p_gape, cute.make_layout(size))
+        self.combine(mWork, mGape, groups).launch(
+            grid=((size + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
+
+
+def _compile(key: KernelKey, backward: bool):
+    """JIT one direction of `key` from placeholder pointers (no device access)."""
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import make_ptr
+
+    impl = _Streaming(key, backward)
+    gm = cute.AddressSpace.gmem
+    data = make_ptr(impl.dtype, 1 << 20, gm, assumed_align=key.align_bytes)
+    f32 = make_ptr(Float32, 1 << 20, gm, assumed_align=16)
+    idx = make_ptr(Int32, 1 << 20, gm, assumed_align=4)
+    sizes = (Int32(1), Int32(1), Int32(1), Int32(1))
+    opts = f"--gpu-arch {key.arch}"
+    if backward:
+        args = (data, data, data, f32, idx, idx, data, data, f32, f32, *sizes, cuda.CUstream(0))
+        return cute.compile(impl.backward, *args, options=opts)
+    args = (data, data, f32, idx, idx, data, f32, *sizes, cuda.CUstream(0))
+    return cute.compile(impl.forward, *args, options=opts)
