@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..config import ELEM_BYTES, KernelKey, LaunchPlan, widest_vec
@@ -213,6 +212,26 @@ class _Streaming:
         return res
 
     @cute.jit
+    def _row_info(self, n, mCu, mCuc, num_tokens, num_segs):
+        """(first window token, flags) of row n; flag bit 0: a real row (n < cuc[-1]), bit 1:
+        its block has a previous block. Segment: how many of cuc[1:] are <= n, as the
+        reference searches; every index is clamped into the offsets, so any content is safe."""
+        lo = Int32(0)
+        hi = num_segs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mCuc[mid + 1] <= n:
+                lo = mid + 1
+            else:
+                hi = mid
+        seg = cutlass.max(cutlass.min(lo, num_segs - 1), 0)
+        block = n - mCuc[seg]
+        t0 = Int64(mCu[seg]) + Int64(block) * self.r - (self.co - 1) * self.r
+        t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-self.w - 1))
+        fl = Int32(n < mCuc[num_segs] and num_segs > 0) + 2 * Int32(block > 0)
+        return Int32(t0), fl
+
+    @cute.jit
     def _entry_ok(self, k, t0, fl, num_tokens):
         """Entry k of a row exists: inside the window and the token range, and for coff 2 a
         first-half entry needs a previous block in the segment (flag bit 1)."""
@@ -280,21 +299,9 @@ class _Streaming:
         if rg < num_rows:
             nr = cutlass.min((num_rows - rg + groups - 1) // groups, MAX_ROWS)
         for j in cutlass.range(tid, nr, self.nt, unroll=1):
-            n = rg + j * groups
-            lo = Int32(0)
-            hi = num_segs
-            while lo < hi:  # segment: how many of cuc[1:] are <= n (the reference's search)
-                mid = (lo + hi) // 2
-                if mCuc[mid + 1] <= n:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            seg = cutlass.max(cutlass.min(lo, num_segs - 1), 0)
-            block = n - mCuc[seg]
-            t0 = Int64(mCu[seg]) + Int64(block) * R - (self.co - 1) * R
-            t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-W - 1))
-            sT0[j] = Int32(t0)
-            sFl[j] = Int32(n < mCuc[num_segs] and num_segs > 0) + 2 * Int32(block > 0)
+            t0, fl = self._row_info(rg + j * groups, mCu, mCuc, num_tokens, num_segs)
+            sT0[j] = t0
+            sFl[j] = fl
 
         mode = cute.nvgpu.LoadCacheMode.ALWAYS
         if const_expr(VEC * self.dtype.width == 128):
@@ -323,14 +330,14 @@ class _Streaming:
             if (fl & 1) != 0:
                 self._row(sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S,
                           rg + j * groups, sT0[j], fl, num_tokens, tid, lane, cvw, wp, cb)
-            elif const_expr(not self.bwd):
+            elif const_expr(not self.bwd):  # noqa: SIM102 (compile-time, then run-time test)
                 if lane == 0 and wp == 0 and cb * CV + cvw < self.ncv:
                     self._store(gOut[(None, (rg + j * groups, cb * CV + cvw))],
                                 [Float32(0.0)] * VEC)
 
         if const_expr(self.bwd):
-            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, lane, cvw, wp, cb, rg, tid,
-                           num_tokens, num_segs, groups)
+            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
+                           num_tokens, num_rows, num_segs, groups)
 
     @cute.jit
     def _issue(self, j, st, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg, groups,
@@ -350,7 +357,7 @@ class _Streaming:
                     ph = self._phys(c, k)
                     self._copy(atom, gSc[(None, (tk, gc))], sTile[(None, ph, k, 0, st)])
                     self._copy(atom, gKV[(None, (tk, gc))], sTile[(None, ph, k, 1, st)])
-            if const_expr(self.bwd):
+            if const_expr(self.bwd):  # noqa: SIM102 (compile-time, then run-time test)
                 if tid < self.cv and cb * self.cv + tid < self.ncv:
                     self._copy(atom, gGo[(None, (rg + j * groups, cb * self.cv + tid))],
                                sG[(None, tid, st)])
@@ -367,9 +374,9 @@ class _Streaming:
              tid, lane, cvw, wp, cb):
         """Softmax pooling (forward) or its gradient (backward) of one row's column block.
 
-        Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e, a = sum e * v;
-        out = a / s. Backward: grad_v = e * (g / s), grad_l = grad_v * (v - out), which is
-        p * (g * v - dot) with dot = g * out."""
+        Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e and a = sum e * v
+        (forward: out = a / s) or a = sum e * (g * v) (backward: dot = a / s); backward pass 3:
+        p = e / s, grad_v = p * g, grad_l = p * (g * v - dot), as the reference."""
         VEC, KT = self.vec, self.kt
         kk = [(wp * KT + i) * 32 + lane for i in range(KT)]
         ok = [self._entry_ok(kk[i], t0, fl, num_tokens) for i in range(KT)]
@@ -398,6 +405,9 @@ class _Streaming:
         aloc = cute.make_rmem_tensor((VEC,), Float32)
         sloc.fill(0.0)
         aloc.fill(0.0)
+        g = sloc
+        if const_expr(self.bwd):
+            g = self._load_f32(sG[(None, cvw, st)])
         scale = Float32(2.0 ** -self.shift)
         for i in cutlass.range_constexpr(KT):
             kv = self._load_f32(sTile[(None, ph[i], kk[i], 1, st)])
@@ -409,7 +419,12 @@ class _Streaming:
                     e = cute.math.exp(lg[i * VEC + v] - m[v]) * scale
                 lg[i * VEC + v] = e
                 sloc[v] = sloc[v] + e
-                aloc[v] = aloc[v] + e * cutlass.select_(ok[i], kv[v], zero)
+                x = cutlass.select_(ok[i], kv[v], zero)
+                if const_expr(self.bwd):
+                    x = g[v] * x  # the reference's g * v (its overflow pattern included)
+                if const_expr(self.wpad > self.w):
+                    x = cutlass.select_(kk[i] < self.w, x, zero)
+                aloc[v] = aloc[v] + e * x
         s_c = self._cross(self._scatter(sloc, lane, False), sRed, 1, lane, cvw, wp, col, False)
         a_c = self._cross(self._scatter(aloc, lane, False), sRed, 2, lane, cvw, wp, col, False)
         colw = cb * self.cv + cvw
@@ -418,15 +433,16 @@ class _Streaming:
             if lane == 0 and wp == 0 and colw < self.ncv:
                 self._store(gOut[(None, (n, colw))], out)
         else:
-            pg = self._gather(Float32(sG[col, cvw, st]) / s_c)
-            out = self._gather(a_c / s_c)
+            rs = self._gather(Float32(1.0) / s_c)
+            dot = self._gather(a_c / s_c)  # sum_k (g * v_k) * p_k
             for i in cutlass.range_constexpr(KT):
                 kv = self._load_f32(sTile[(None, ph[i], kk[i], 1, st)])
                 gv = [None] * VEC
                 gl = [None] * VEC
                 for v in cutlass.range_constexpr(VEC):
-                    gv[v] = lg[i * VEC + v] * pg[v]
-                    gl[v] = gv[v] * (kv[v] - out[v])
+                    p = lg[i * VEC + v] * rs[v]
+                    gv[v] = p * g[v]
+                    gl[v] = p * (g[v] * kv[v] - dot[v])
                     gacc[i * VEC + v] = gacc[i * VEC + v] + cutlass.select_(ok[i], gl[v], zero)
                 # Gradients go back into the tile slots this lane read, then out coalesced.
                 self._store(sTile[(None, ph[i], kk[i], 1, st)], gv)
@@ -440,16 +456,18 @@ class _Streaming:
                 if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
                     tk = t0 + k
                     gc = (k // self.r) * self.ncv + colc
-                    p = self._phys(c, k)
-                    gGkv[(None, (tk, gc))].store(sTile[(None, p, k, 1, st)].load())
-                    gGsc[(None, (tk, gc))].store(sTile[(None, p, k, 0, st)].load())
+                    pc = self._phys(c, k)
+                    gGkv[(None, (tk, gc))].store(sTile[(None, pc, k, 1, st)].load())
+                    gGsc[(None, (tk, gc))].store(sTile[(None, pc, k, 0, st)].load())
 
     @cute.jit
-    def _epilogue(self, gacc, gWork, gGkv, gGsc, mCu, lane, cvw, wp, cb, rg, tid, num_tokens,
-                  num_segs, groups):
+    def _epilogue(self, gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
+                  num_tokens, num_rows, num_segs, groups):
         """grad_ape partials of this CTA, then zeros for the elements no window consumes."""
         VEC, R = self.vec, self.r
         colw = cb * self.cv + cvw
+        zero = cute.make_rmem_tensor((VEC,), self.dtype)
+        zero.fill(0.0)
         for i in cutlass.range_constexpr(self.kt):
             k = (wp * self.kt + i) * 32 + lane
             if k < self.w and colw < self.ncv:
@@ -467,9 +485,20 @@ class _Streaming:
             tail = a + ((e - a) // R) * R
             for hh in cutlass.range_constexpr(self.co):
                 self._zero_range(gGkv, gGsc, tail, e, hh, cb, tid)
-            if const_expr(self.co == 2):
+            if const_expr(self.co == 2):  # noqa: SIM102 (compile-time, then run-time test)
                 if tail > a:  # first halves of the last block feed no window
                     self._zero_range(gGkv, gGsc, tail - R, tail, 0, cb, tid)
+        # Rows past a static capacity smaller than the true count: their windows get zeros.
+        hi_row = cutlass.min(mCuc[num_segs], T // R + 1)
+        for n in cutlass.range(num_rows + rg, hi_row, groups, unroll=1):
+            t0, fl = self._row_info(n, mCu, mCuc, num_tokens, num_segs)
+            for idx in cutlass.range(tid, self.w * self.cv, self.nt, unroll=1):
+                k = idx // self.cv
+                c = cb * self.cv + idx % self.cv
+                if c < self.ncv and (fl & 1) != 0 and self._entry_ok(k, t0, fl, num_tokens):
+                    gc = (k // R) * self.ncv + c
+                    gGkv[(None, (t0 + k, gc))].store(zero.load())
+                    gGsc[(None, (t0 + k, gc))].store(zero.load())
         first = cutlass.max(cutlass.min(mCu[0], T), 0)
         last = cutlass.max(cutlass.min(mCu[num_segs], T), 0)
         chunk = (T - last + groups - 1) // groups

@@ -1,0 +1,264 @@
+"""Streaming CuTe-DSL kernels (large windows) against the fp32 reference and the fp64 oracle.
+
+Forward within one output rounding step; grad_kv / grad_score within final-rounding
+tolerance of the reference and at least as close to the oracle as the reference; grad_ape
+within 1e-3. Outputs and workspace start as NaN, so an element no kernel writes fails. Calls
+the family directly (any launch plan), plus once through csa_ops.host.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EPS, PackSpec, make_pack, spec_params
+
+from csa_ops import host, reference
+from csa_ops.kernels import streaming
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or host.device_arch() is None,
+    reason="needs an sm_90 or sm_100 CUDA device")
+
+_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_COMPILED: dict = {}
+
+# Windows 32..512, both coffs; empty and short segments, tails, spare rows and tokens, odd and
+# small head dims.
+SPECS = (
+    PackSpec((300, 0, 127, 128, 1000), ratio=128, coff=1, head_dim=128, extra_tokens=5,
+             extra_rows=3),
+    PackSpec((260, 50, 0, 129, 700), ratio=128, coff=2, head_dim=128, extra_rows=2),
+    PackSpec((640, 7, 385), ratio=128, coff=2, head_dim=512, extra_tokens=3, extra_rows=1),
+    PackSpec((517, 0, 130), ratio=128, coff=1, head_dim=512, extra_rows=4),
+    PackSpec((50, 0, 16, 9, 333), ratio=16, coff=2, head_dim=64, extra_tokens=5, extra_rows=2),
+    PackSpec((200, 63, 64, 1), ratio=64, coff=1, head_dim=96, extra_tokens=1),
+    PackSpec((1100, 255, 513), ratio=256, coff=2, head_dim=64, extra_tokens=2, extra_rows=1),
+    PackSpec((500, 99, 0, 301), ratio=100, coff=1, head_dim=33, extra_tokens=7, extra_rows=2),
+    PackSpec((170, 3, 90), ratio=17, coff=2, head_dim=100, extra_rows=1),
+)
+
+
+def _key(spec, dtype, backward):
+    return streaming.configure(spec.ratio, spec.coff, spec.head_dim, _NAMES[dtype],
+                               host.device_arch(), backward)
+
+
+def _compiled(key, backward):
+    if (key, backward) not in _COMPILED:
+        fn = streaming.compile_backward if backward else streaming.compile_forward
+        _COMPILED[(key, backward)] = fn(key)
+    return _COMPILED[(key, backward)]
+
+
+def _launch(key, backward, tensors, sizes, grid):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_ptr
+
+    types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+             torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
+    aligns = {torch.float32: 16, torch.int32: 4}
+    ptrs = [make_ptr(types[t.dtype], t.data_ptr(), cute.AddressSpace.gmem,
+                     aligns.get(t.dtype, key.align_bytes)) for t in tensors]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    _compiled(key, backward)(*ptrs, *(cutlass.Int32(s) for s in (*sizes, grid)), stream)
+
+
+def _nan(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None):
+    head_dim = kv.shape[1] // coff
+    key = streaming.configure(ratio, coff, head_dim, _NAMES[kv.dtype], host.device_arch(),
+                              False)
+    assert streaming.supports(key)
+    cb = -(-head_dim // (key.knob("cv", 1) * key.vec))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = streaming.plan_forward(key, kv.shape[0], rows, sms)
+    grid = plan.grid if groups is None else groups * cb
+    out = _nan((rows, head_dim), kv.dtype)
+    work = _nan((max(plan.workspace, 4),), torch.float32)
+    _launch(key, False, (kv, score, ape, cu, cuc, out, work),
+            (kv.shape[0], rows, cu.numel() - 1), grid)
+    return out
+
+
+def run_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff, groups=None):
+    num_tokens, width = kv.shape
+    head_dim = width // coff
+    key = streaming.configure(ratio, coff, head_dim, _NAMES[kv.dtype], host.device_arch(),
+                              True)
+    assert streaming.supports(key)
+    cb = -(-head_dim // (key.knob("cv", 1) * key.vec))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = streaming.plan_backward(key, num_tokens, grad_out.shape[0], sms)
+    grid = plan.grid if groups is None else groups * cb
+    work = _nan((max(grid // cb * ratio * width, 4),), torch.float32)
+    gkv, gsc = _nan(kv.shape, kv.dtype), _nan(kv.shape, kv.dtype)
+    gape = _nan((ratio, width), torch.float32)
+    _launch(key, True, (grad_out, kv, score, ape, cu, cuc, gkv, gsc, gape, work),
+            (num_tokens, grad_out.shape[0], cu.numel() - 1), grid)
+    return gkv, gsc, gape
+
+
+def _grad_out(rows, head_dim, dtype, seed=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(rows, head_dim, device="cuda", generator=gen).to(dtype)
+
+
+def _step(x, dtype):
+    """One rounding step of `dtype` at |x| (fp64), the subnormal spacing at the bottom."""
+    return x.double().abs().clamp_min(2.0**-126) * EPS[dtype]
+
+
+def _check_forward(out, ref, dtype):
+    bad = ((out.double() - ref.double()).abs() > _step(ref, dtype)).sum().item()
+    assert bad <= max(1, out.numel() // 1000), f"forward: {bad} elements beyond one step"
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+
+
+def _check_grad(got, ref, oracle, dtype, name):
+    """Final-rounding tolerance of the reference (plus fp32 noise far below one step of
+    typical values), and no farther from the oracle than the reference."""
+    assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or wrong) elements"
+    noise = 2.0**-18 * ref.double().abs().max().item()
+    bad = ((got.double() - ref.double()).abs() > _step(ref, dtype) + noise).sum().item()
+    assert bad == 0, f"{name}: {bad} elements beyond final-rounding tolerance"
+    err_got = (got.double() - oracle.double()).norm().item()
+    err_ref = (ref.double() - oracle.double()).norm().item()
+    assert err_got <= 1.02 * err_ref + 1e-12, f"{name}: {err_got} vs reference {err_ref}"
+
+
+def _compare(pack, grad_out, dtype, groups=None):
+    spec = pack.spec
+    out = run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity, groups)
+    gkv, gsc, gape = run_backward(grad_out, *pack.tensors(), spec.ratio, spec.coff, groups)
+    _check_forward(out, reference.compressor_reference(*pack.args()), dtype)
+    ref = reference.compressor_backward_reference(grad_out, *pack.tensors(), spec.ratio,
+                                                  spec.coff)
+    orc = reference.compressor_backward_oracle(grad_out, *pack.tensors(), spec.ratio,
+                                               spec.coff)
+    _check_grad(gkv, ref[0], orc[0], dtype, "grad_kv")
+    _check_grad(gsc, ref[1], orc[1], dtype, "grad_score")
+    torch.testing.assert_close(gape, ref[2], atol=1e-3, rtol=1e-3)
+    assert (gape.double() - orc[2]).norm() <= 2 * (ref[2].double() - orc[2]).norm() + 1e-6
+    assert torch.count_nonzero(out[spec.true_rows:]) == 0
+    tokens = sum(spec.lengths)
+    assert torch.count_nonzero(gkv[tokens:]) == 0 and torch.count_nonzero(gsc[tokens:]) == 0
+    return out, gkv, gsc, gape
+
+
+CASES = [pytest.param(s, torch.bfloat16, id=f"{p.id}-bf16")
+         for s, p in zip(SPECS, spec_params(SPECS))]
+CASES += [pytest.param(SPECS[i], torch.float16, id=f"{spec_params(SPECS)[i].id}-fp16")
+          for i in (1, 7)]
+
+
+@pytest.mark.parametrize(("spec", "dtype"), CASES)
+def test_matches_reference_and_oracle(spec, dtype):
+    pack = make_pack(spec, dtype=dtype, device="cuda", seed=11)
+    _compare(pack, _grad_out(spec.capacity, spec.head_dim, dtype), dtype)
+
+
+@pytest.mark.parametrize("groups", (1, 3, 1000))
+def test_any_launch_plan(groups):
+    # One CTA per column block walks every row (deep pipeline, full row table), or more CTAs
+    # than rows (idle CTAs still write their grad_ape partials).
+    spec = PackSpec((128 * 200 + 5, 300, 0), ratio=128, coff=2, head_dim=128, extra_rows=7)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=12)
+    _compare(pack, _grad_out(spec.capacity, 128, torch.bfloat16), torch.bfloat16, groups)
+
+
+def test_bitwise_deterministic():
+    spec = PackSpec((4096, 7, 0, 3000), ratio=128, coff=2, head_dim=128, extra_rows=5)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=3)
+    grad_out = _grad_out(spec.capacity, 128, torch.bfloat16, seed=4)
+
+    def once():
+        return (run_forward(*pack.tensors(), 128, 2, spec.capacity),
+                *run_backward(grad_out, *pack.tensors(), 128, 2))
+
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    first = once()
+    for _ in range(3):
+        for a, b in zip(first, once()):
+            assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("coff", (1, 2))
+def test_nan_inf_like_reference(coff):
+    spec = PackSpec((640, 5, 300), ratio=64, coff=coff, head_dim=64, extra_rows=1)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=5)
+    pack.score[3, 0] = float("inf")
+    pack.score[100, 1] = float("-inf")
+    pack.score[200, 2] = float("nan")
+    pack.kv[300, 3] = float("inf")
+    pack.score[400:404, 4] = 80.0  # logits near fp32 exp overflow
+    pack.kv[500:520, 5] = 3.0e38  # sum of e * v must not overflow where p * v does not
+    grad_out = _grad_out(spec.capacity, 64, torch.bfloat16)
+    grad_out[2, 6] = float("inf")
+    out = run_forward(*pack.tensors(), 64, coff, spec.capacity)
+    gkv, gsc, gape = run_backward(grad_out, *pack.tensors(), 64, coff)
+    ref_out = reference.compressor_reference(*pack.args())
+    rkv, rsc, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(), 64,
+                                                             coff)
+    for got, ref in ((out, ref_out), (gkv, rkv), (gsc, rsc), (gape, rape)):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        assert torch.equal(torch.isinf(got), torch.isinf(ref))
+
+
+def test_capacity_smaller_than_true_count():
+    # Rows past the capacity are dropped: their windows' inputs get zero gradients.
+    spec = PackSpec((128 * 9, 128 * 4), ratio=128, coff=2, head_dim=64)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=8)
+    rows = spec.true_rows - 5
+    grad_out = _grad_out(rows, 64, torch.bfloat16)
+    out = run_forward(*pack.tensors(), 128, 2, rows)
+    _check_forward(out, reference.compressor_reference(*pack.args())[:rows], torch.bfloat16)
+    gkv, gsc, _ = run_backward(grad_out, *pack.tensors(), 128, 2)
+    padded = torch.cat([grad_out, grad_out.new_zeros(5, 64)])
+    ref = reference.compressor_backward_reference(padded, *pack.tensors(), 128, 2)
+    orc = reference.compressor_backward_oracle(padded, *pack.tensors(), 128, 2)
+    _check_grad(gkv, ref[0], orc[0], torch.bfloat16, "grad_kv")
+    _check_grad(gsc, ref[1], orc[1], torch.bfloat16, "grad_score")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_adversarial_offsets_stay_in_bounds(seed):
+    # Non-monotonic, negative, past-T or huge offsets must not fault; the result is
+    # unspecified, but later kernels on the device must still run and be right.
+    gen = torch.Generator().manual_seed(seed)
+    spec = PackSpec((640, 640), ratio=128, coff=2, head_dim=64, extra_rows=4)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=seed)
+    choices = torch.tensor([0, 1, 5, 127, 128, 129, 640, 1280, 10**6, -1, -(2**31), 2**31 - 1])
+    for _ in range(6):
+        cu = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32).cuda()
+        cuc = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32).cuda()
+        run_forward(pack.kv, pack.score, pack.ape, cu, cuc, 128, 2, spec.capacity)
+        run_backward(_grad_out(spec.capacity, 64, torch.bfloat16), pack.kv, pack.score,
+                     pack.ape, cu, cuc, 128, 2)
+    torch.cuda.synchronize()
+    out = run_forward(*pack.tensors(), 128, 2, spec.capacity)
+    _check_forward(out, reference.compressor_reference(*pack.args()), torch.bfloat16)
+
+
+def test_host_selects_streaming_and_matches():
+    spec = PackSpec((1000, 300), ratio=128, coff=1, head_dim=128, extra_rows=2)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=9)
+    key = host.select_key(128, 1, 128, "bfloat16", host.device_arch(), False)
+    assert key is not None and key.family == "streaming"
+    args = (*pack.tensors(), 128, 1)
+    assert host.supports(*args)
+    out = host.compressor_forward(*args, spec.capacity)
+    _check_forward(out, reference.compressor_reference(*pack.args()), torch.bfloat16)
+    grad_out = _grad_out(spec.capacity, 128, torch.bfloat16)
+    gkv, gsc, gape = host.compressor_backward(grad_out, *args)
+    ref = reference.compressor_backward_reference(grad_out, *pack.tensors(), 128, 1)
+    orc = reference.compressor_backward_oracle(grad_out, *pack.tensors(), 128, 1)
+    _check_grad(gkv, ref[0], orc[0], torch.bfloat16, "grad_kv")
+    _check_grad(gsc, ref[1], orc[1], torch.bfloat16, "grad_score")
+    torch.testing.assert_close(gape, ref[2], atol=1e-3, rtol=1e-3)
