@@ -17,7 +17,9 @@ def _block_starts(cu_seqlens, cu_seqlens_comp, total_comp: int, ratio: int):
     cu = cu_seqlens.long()
     cuc = cu_seqlens_comp.long()
     rows = torch.arange(total_comp, device=cu.device)
-    seg = torch.searchsorted(cuc[1:], rows, right=True).clamp(max=max(cu.numel() - 2, 0))
+    # Segment = how many segment ends lie at or before the row. A comparison count, not
+    # searchsorted: torch 2.11's CUDA Inductor cannot lower searchsorted over a sliced tensor.
+    seg = (rows[:, None] >= cuc[None, 1:]).sum(dim=1).clamp(max=max(cu.numel() - 2, 0))
     block = rows - cuc[seg]
     return cu[seg] + block * ratio, block, rows < cuc[-1]
 

@@ -235,7 +235,9 @@ def lowering_modes() -> tuple[str, ...]:
         return ()
     if not getattr(lowering, "available", False) or not hasattr(lowering, "set_mode"):
         return ()
-    return tuple(getattr(lowering, "MODES", ()))
+    modes = tuple(getattr(lowering, "MODES", ()))
+    # "auto" picks extern or generate per call: timed last, it can reuse their Triton builds.
+    return tuple(sorted(modes, key=lambda m: m == "auto"))
 
 
 def lowering_mode() -> str | None:
