@@ -205,10 +205,15 @@ _KEYS: dict[tuple, KernelKey | None] = {}
 def _key_for(
     ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
 ) -> KernelKey | None:
-    memo = (ratio, coff, head_dim, dtype, arch, backward)
+    memo = (ratio, coff, head_dim, dtype, arch, bool(backward))
     if memo not in _KEYS:
         _KEYS[memo] = select_key(ratio, coff, head_dim, dtype, arch, backward)
     return _KEYS[memo]
+
+
+def set_key(key: KernelKey, backward: bool) -> None:
+    """Pins the key used for key's problem and direction (autotuning; see config enumerators)."""
+    _KEYS[(key.ratio, key.coff, key.head_dim, key.dtype, key.arch, bool(backward))] = key
 
 
 def supports(

@@ -239,3 +239,19 @@ def test_exp_matches_torch_over_many_arguments():
     pack.ape.zero_()
     out = host.compressor_forward(*pack.tensors(), 2, 1, spec.capacity)
     _bitwise(out, reference.compressor_reference(*pack.args()), "exp-dominated forward")
+
+
+@pytest.mark.parametrize("scale", (30.0, 90.0))
+def test_division_and_exp_over_wide_logit_ranges(scale):
+    # Logits spread over `scale` make the softmax weights span many binades (and, at 90,
+    # underflow to tiny values), exercising both the Markstein and the exact division path.
+    spec = PackSpec((32 * 257, 45), ratio=32, coff=1, head_dim=64, extra_rows=2)
+    pack = _pack(spec, torch.float32, seed=11)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    pack.score.copy_(-scale * torch.rand(pack.score.shape, device="cuda", generator=gen))
+    grad_out = _grad_out(spec, torch.float32)
+    out, gkv, gs, _ = _run(pack, grad_out)
+    _bitwise(out, reference.compressor_reference(*pack.args()), "forward")
+    rkv, rs, _ = reference.compressor_backward_reference(grad_out, *pack.tensors(), 32, 1)
+    _bitwise(gkv, rkv, "grad_kv")
+    _bitwise(gs, rs, "grad_score")

@@ -8,6 +8,7 @@ larger than L2, and the host time of one eager call. Prints a table; --json writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -94,7 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--bwd-knobs", default="min_ctas=3",
+                        help="comma-separated name=value backward knob variants to time too")
     args = parser.parse_args()
+    args.bwd_knobs = [((kv.split("=")[0], int(kv.split("=")[1])),)
+                      for kv in args.bwd_knobs.split(",") if kv]
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -117,6 +122,13 @@ def main() -> None:
             return host.compressor_backward(s[6], *s[:5], ratio, coff)
 
         t_fwd, t_bwd = _graph_time(fwd, sets), _graph_time(bwd, sets)
+        for knobs in args.bwd_knobs if ratio * coff <= 8 else ():
+            base = host.select_key(ratio, coff, d, args.dtype, host.device_arch(), True)
+            host.set_key(dataclasses.replace(base, knobs=knobs), True)
+            host.precompile(ratio, d, coff, dtype)
+            alt = _graph_time(bwd, sets)
+            print(f"  bwd {knobs}: {alt:.2f} us (default {t_bwd:.2f})")
+            host.set_key(base, True)
         h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])
         floor_f, floor_b = fwd_bytes / bw * 1e6, bwd_bytes / bw * 1e6
         rec = {"shape": f"{segs}x{seqlen} d{d} r{ratio} c{coff}", "fwd_us": t_fwd,
