@@ -123,8 +123,8 @@ def run_variant(variant: Variant, case: Case, expected: dict, args) -> dict:
         key = (variant.direction, variant.rms_norm)
         if key not in expected:
             expected[key] = case.expected(variant.direction, variant.rms_norm)
-        ok, errors = variants.check(outputs, expected[key],
-                                    variants.tolerance(case.dtype, variant.direction))
+        tolerance = variants.tolerance(case.dtype, variant.direction)
+        ok, errors = variants.check(outputs, expected[key], tolerance)
         row["max_error"] = errors
         del outputs
         if not ok:
@@ -134,9 +134,16 @@ def run_variant(variant: Variant, case: Case, expected: dict, args) -> dict:
             reason = timing.syncs_host(lambda: step(0))
             if reason is not None:
                 return row | {"status": f"n/a (syncs with host: {reason[:80]})"}
-            graph = timing.capture_graph(step, batch, args.warmup)
+            graph, first = timing.capture_graph(step, batch, args.warmup)
+            # The replay itself must compute the answer: poison its outputs, replay, check.
+            for t in first if isinstance(first, (tuple, list)) else (first,):
+                t.fill_(float("nan"))
+            graph.replay()
+            ok, errors = variants.check(first, expected[key], tolerance)
+            if not ok:
+                return row | {"status": f"MISMATCH in replay (scaled max error {errors})"}
             median, samples = timing.time_graph(graph, batch, args.warmup, args.iters)
-            del graph
+            del graph, first
         else:
             median, samples = timing.time_calls(step, batch, args.warmup, args.iters,
                                                 case.device)
