@@ -169,6 +169,7 @@ def run_shape(shape: Shape, chosen: list[Variant], args, bandwidth: float, t0: f
         row = run_variant(variant, case, expected, args)
         row |= {"shape": shape.name, "tokens": shape.tokens, "ratio": shape.ratio,
                 "coff": shape.coff, "head_dim": shape.head_dim, "op_path": path,
+                "input_sets": case.num_sets,
                 "bytes": nbytes[variant.direction],
                 "floor_s": nbytes[variant.direction] / bandwidth, "role": variant.role,
                 "rms_norm": variant.rms_norm}

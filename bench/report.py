@@ -66,7 +66,10 @@ def add_derived(rows: list[dict]) -> None:
 
 
 def _us(seconds) -> str:
-    return NA if seconds is None else f"{seconds * 1e6:.1f}"
+    if seconds is None:
+        return NA
+    us = seconds * 1e6
+    return f"{us:.1f}" if us >= 10 else f"{us:.2f}"
 
 
 def _x(value) -> str:
@@ -77,32 +80,39 @@ def _find(rows, shape, name):
     return next((r for r in rows if r["shape"] == shape and r["variant"] == name), {})
 
 
-def _summary(rows: list[dict]) -> list[str]:
-    lines = [("| shape | op path | floor fwd / bwd us | op fwd kernel us (x floor) | "
-             "op bwd kernel us (x floor) | op fwd call us | compiled ref fwd us | "
-             "op fwd+bwd call us | compiled ref fwd+bwd us | fwd vs compiled | "
-             "fwd+bwd vs compiled |"), "|" + "---|" * 11]
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        fk, bk = _find(rows, shape, "op fwd kernel (graph)"), _find(rows, shape,
-                                                                       "op bwd kernel (graph)")
-        fc, fbc = _find(rows, shape, "op fwd call"), _find(rows, shape, "op fwd+bwd call")
-        cf, cfb = _find(rows, shape, "compiled ref fwd"), _find(rows, shape,
-                                                                "compiled ref fwd+bwd")
-        floor_f = next((r["floor_s"] for r in rows if r["shape"] == shape
-                        and r["direction"] == "fwd"), None)
-        floor_b = next((r["floor_s"] for r in rows if r["shape"] == shape
-                        and r["direction"] == "bwd"), None)
+def _kernel_vs_floor(r: dict) -> str:
+    return f"{_us(r['median_s'])} ({r['median_s'] / r['floor_s']:.2f})" if "median_s" in r else NA
 
-        def kernel(r):
-            if "median_s" not in r:
-                return NA
-            return f"{_us(r['median_s'])} ({r['median_s'] / r['floor_s']:.2f})"
-        path = next((r["op_path"] for r in rows if r["shape"] == shape), NA)
-        lines.append(f"| {shape} | {path} | {_us(floor_f)} / {_us(floor_b)} | {kernel(fk)} | "
-                     f"{kernel(bk)} | {_us(fc.get('median_s'))} | {_us(cf.get('median_s'))} | "
-                     f"{_us(fbc.get('median_s'))} | {_us(cfb.get('median_s'))} | "
-                     f"{_x(fc.get('speedup_vs_compiled'))} | "
-                     f"{_x(fbc.get('speedup_vs_compiled'))} |")
+
+def _speedups(kernel: dict, call: dict) -> str:
+    return f"{_x(kernel.get('speedup_vs_compiled'))} / {_x(call.get('speedup_vs_compiled'))}"
+
+
+# Per shape: the op's kernel and call times against the floor and the compiled baseline
+# (SPEC 5's targets), one line each.
+_SUMMARY_HEAD = ("| shape | op path | floor fwd / bwd us | op fwd kernel us (x floor) | "
+                 "op bwd kernel us (x floor) | op fwd / fwd+bwd call us | compiled ref fwd / "
+                 "fwd+bwd us | fwd vs compiled (kernel / call) | fwd+bwd vs compiled "
+                 "(kernel / call) |")
+
+
+def _summary(rows: list[dict]) -> list[str]:
+    lines = [_SUMMARY_HEAD, "|" + "---|" * 9]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        def get(name, shape=shape):
+            return _find(rows, shape, name)
+        floors = {r["direction"]: r["floor_s"] for r in rows if r["shape"] == shape}
+        path = next(r["op_path"] for r in rows if r["shape"] == shape)
+        fc, fbc = get("op fwd call"), get("op fwd+bwd call")
+        cf, cfb = get("compiled ref fwd"), get("compiled ref fwd+bwd")
+        lines.append(
+            f"| {shape} | {path} | {_us(floors.get('fwd'))} / {_us(floors.get('bwd'))} | "
+            f"{_kernel_vs_floor(get('op fwd kernel (graph)'))} | "
+            f"{_kernel_vs_floor(get('op bwd kernel (graph)'))} | "
+            f"{_us(fc.get('median_s'))} / {_us(fbc.get('median_s'))} | "
+            f"{_us(cf.get('median_s'))} / {_us(cfb.get('median_s'))} | "
+            f"{_speedups(get('op fwd kernel (graph)'), fc)} | "
+            f"{_speedups(get('op fwd+bwd kernel (graph)'), fbc)} |")
     return lines
 
 
