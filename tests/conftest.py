@@ -19,6 +19,19 @@ def compile_env():
 
 
 @pytest.fixture
+def lowering_mode(request):
+    """csa_ops.lowering policy for one test (indirect parameter), restored afterwards."""
+    from csa_ops import lowering
+
+    previous = lowering.get_mode()
+    lowering.set_mode(request.param)
+    try:
+        yield request.param
+    finally:
+        lowering.set_mode(previous)
+
+
+@pytest.fixture
 def deterministic():
     previous = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()

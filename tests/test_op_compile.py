@@ -1,0 +1,188 @@
+"""torch.compile(fullgraph=True) of csa::compressor forward and backward on CPU: no graph
+breaks, static/dynamic shapes, total_comp=None, and the Compressor module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+from helpers import (
+    PackSpec,
+    eager_compressor,
+    make_pack,
+    op_forward_backward,
+    sum_tolerance,
+    window,
+)
+
+import csa_ops
+from csa_ops import reference
+
+NAMES = ("out", "grad_kv", "grad_score", "grad_ape")
+
+
+def _forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp):
+    return torch.ops.csa.compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                                    total_comp)
+
+
+def _run(fn, pack, grad_out, total_comp):
+    """fn's output and the gradients of <out, grad_out> (AOTAutograd's compiled backward)."""
+    kv, score, ape = pack.leaves()
+    tc = pack.spec.capacity if total_comp == "capacity" else total_comp
+    out = fn(kv, score, ape, pack.cu_seqlens, pack.cu_seqlens_comp, pack.ratio, pack.coff, tc)
+    grads = torch.autograd.grad(out, (kv, score, ape), grad_out)
+    return [out.detach(), *grads]
+
+
+def _assert_matches_eager(actual, pack, grad_out, total_comp):
+    expected = op_forward_backward(pack, grad_out, total_comp)
+    # Inductor may generate its own kernel for the op (lowering/): same math, and up to
+    # summation order the same roundings.
+    scale = float(pack.kv.abs().max()) * max(float(grad_out.abs().max()), 1.0)
+    rows = max(pack.rows(total_comp), 1)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        tol = sum_tolerance(torch.float32, window(pack) * (rows + 1), scale)
+        torch.testing.assert_close(a, e, rtol=0, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+R4C2 = PackSpec((9, 3, 0, 16), 4, 2, 8, extra_tokens=3, extra_rows=2)
+# head_dim 6 keeps kv's width apart from len(cu_seqlens): duck sizing would tie them.
+R16C1 = PackSpec((35, 0, 16, 7), 16, 1, 6, extra_rows=1)
+
+
+def _case(spec, dynamic, total_comp, mode, marks=()):
+    name = (f"r{spec.ratio}_c{spec.coff}-{'dynamic' if dynamic else 'static'}-"
+            f"{'capacity' if total_comp else 'true_count'}-{mode}")
+    return pytest.param(spec, dynamic, total_comp, mode, id=name, marks=marks)
+
+
+# "extern" keeps the op an opaque node (the op-surface contract, cheap to compile); "auto" is
+# what users get: on CPU Inductor generates C++ for the op, which costs seconds per graph.
+COMPILE_CASES = [
+    *(_case(spec, dynamic, tc, "extern") for spec in (R4C2, R16C1) for dynamic in (False, True)
+      for tc in ("capacity", None)),
+    _case(R4C2, False, "capacity", "auto"),
+    _case(R16C1, False, None, "auto"),
+    _case(R4C2, True, "capacity", "auto", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("spec, dynamic, total_comp, lowering_mode", COMPILE_CASES,
+                         indirect=["lowering_mode"])
+def test_compile_forward_backward_fullgraph(spec, dynamic, total_comp, lowering_mode,
+                                            compile_env):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_forward, backend=counter, fullgraph=True, dynamic=dynamic)
+    pack = make_pack(spec)
+    grad_out = pack.grad_out(total_comp)
+    _assert_matches_eager(_run(compiled, pack, grad_out, total_comp), pack, grad_out, total_comp)
+    assert counter.frame_count == 1
+    if dynamic:
+        # A different pack (tokens, segments, rows) reuses the dynamic graph.
+        lengths = spec.lengths[::-1] + (2 * spec.ratio + 1,)
+        other = make_pack(PackSpec(lengths, spec.ratio, spec.coff, spec.head_dim,
+                                   extra_tokens=1, extra_rows=spec.extra_rows + 1), seed=3)
+        other_grad = other.grad_out(total_comp)
+        _assert_matches_eager(_run(compiled, other, other_grad, total_comp), other, other_grad,
+                              total_comp)
+        assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("total_comp", ["capacity", None], ids=["capacity", "true_count"])
+def test_no_graph_breaks_without_fullgraph(total_comp, compile_env):
+    """Without fullgraph a break would be tolerated silently: count them instead. The None
+    form has a data-dependent output size, which dynamo captures only when
+    capture_dynamic_output_shape_ops is on (fullgraph=True turns it on by itself)."""
+    torch._dynamo.utils.counters.clear()
+    counter = torch._dynamo.testing.CompileCounter()
+    pack = make_pack(R4C2)
+    grad_out = pack.grad_out(total_comp)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=total_comp is None):
+        _run(torch.compile(_forward, backend=counter), pack, grad_out, total_comp)
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert counter.frame_count == 1
+    assert counter.op_count >= 1
+
+
+@pytest.mark.parametrize("lowering_mode", ["extern", "auto"], indirect=True)
+def test_compile_with_following_ops_and_bf16(lowering_mode, compile_env):
+    """The op inside a larger graph (scale, RMSNorm, loss) with a backward through all of it."""
+    pack = make_pack(PackSpec((17, 2, 12), 4, 2, 16, extra_rows=2), torch.bfloat16)
+    weight = torch.ones(16)
+
+    def loss_fn(kv, score, ape):
+        out = torch.ops.csa.compressor(kv, score, ape, pack.cu_seqlens, pack.cu_seqlens_comp,
+                                       pack.ratio, pack.coff, pack.spec.capacity)
+        normed = torch.nn.functional.rms_norm(out.float(), (16,), weight, 1e-6)
+        return (normed * torch.arange(16.0)).sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(loss_fn, backend=counter, fullgraph=True)
+    leaves = pack.leaves()
+    # A fused op + RMSNorm skips rounding the op's output to bf16 unless told to emulate it
+    # (LOWERING.md, numerics); with emulation, eager and compiled must round alike.
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        loss = compiled(*leaves)
+        grads = torch.autograd.grad(loss, leaves)
+    eager_leaves = pack.leaves()
+    eager_loss = loss_fn(*eager_leaves)
+    eager_grads = torch.autograd.grad(eager_loss, eager_leaves)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-4, atol=1e-3)
+    for name, a, e in zip(NAMES[1:], grads, eager_grads):
+        # bf16 gradients: one rounding step apart at most where Inductor reorders fp32 math.
+        torch.testing.assert_close(a, e, rtol=2**-7, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _module_reference(module, x, cu_seqlens, cu_seqlens_comp, total_comp):
+    """The Compressor block composed from csa_ops.reference and plain torch."""
+    pooled = reference.compressor_reference(module.wkv(x), module.wgate(x), module.ape, cu_seqlens,
+                                            cu_seqlens_comp, module.ratio, module.coff, total_comp)
+    return torch.nn.functional.rms_norm(pooled, (module.head_dim,), module.norm.weight,
+                                        module.norm.eps)
+
+
+@pytest.mark.parametrize("ratio, coff, total_comp, lowering_mode", [
+    pytest.param(4, 2, 12, "auto", id="r4_c2-capacity-auto"),
+    pytest.param(4, 2, None, "extern", id="r4_c2-true_count-extern"),
+    pytest.param(3, 1, 12, "extern", id="r3_c1-capacity-extern"),
+    pytest.param(3, 1, None, "auto", id="r3_c1-true_count-auto"),
+], indirect=["lowering_mode"])
+def test_compressor_module_eager_compiled_reference(ratio, coff, total_comp, lowering_mode,
+                                                   compile_env):
+    torch.manual_seed(0)
+    module = csa_ops.Compressor(dim=24, head_dim=16, ratio=ratio, coff=coff)
+    with torch.no_grad():
+        module.norm.weight.uniform_(0.5, 1.5)
+    cu_seqlens, cu_seqlens_comp = csa_ops.offsets_for((13, 0, 2, 21), ratio)
+    x = torch.randn(38, 24)
+    rows = int(cu_seqlens_comp[-1])
+    grad = torch.randn(rows if total_comp is None else total_comp, 16)
+
+    def step(fn):
+        module.zero_grad()
+        out = fn(x, cu_seqlens, cu_seqlens_comp, total_comp)
+        out.backward(grad)
+        return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+    eager_out, eager_grads = step(module)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled_out, compiled_grads = step(torch.compile(module, backend=counter, fullgraph=True))
+    assert counter.frame_count == 1
+    with torch.no_grad():
+        ref_out = _module_reference(module, x, cu_seqlens, cu_seqlens_comp, total_comp)
+    assert torch.equal(eager_out, ref_out)
+    assert bool((eager_out[rows:] == 0).all())
+    torch.testing.assert_close(compiled_out, eager_out, rtol=1e-5, atol=1e-5)
+    for name, grad_value in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad_value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    # And the independent model agrees with the module's pooled rows.
+    with torch.no_grad():
+        pooled = eager_compressor(module.wkv(x), module.wgate(x), module.ape, cu_seqlens,
+                                  cu_seqlens_comp, ratio, coff, total_comp)
+        independent = torch.nn.functional.rms_norm(pooled, (16,), module.norm.weight,
+                                                   module.norm.eps)
+    torch.testing.assert_close(eager_out, independent, rtol=1e-5, atol=1e-5)
