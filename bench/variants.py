@@ -254,7 +254,7 @@ def set_lowering_mode(mode: str | None) -> None:
         lowering.set_mode(mode)  # resets dynamo when the mode changes
 
 
-def _op_compiled_builder(direction: str, rms_norm: bool, mode: str | None):
+def op_compiled_builder(direction: str, rms_norm: bool, mode: str | None):
     def build(case: Case):
         set_lowering_mode(mode)  # the compile happens at the first call, under this mode
         return _steps(direction)(case, compiled(region(_op, rms_norm)), rms_norm)
@@ -290,7 +290,7 @@ def _register_defaults() -> None:
             rows.append(("fwd+bwd", False))
         for direction, norm in rows:
             name = f"op compiled{tag} {direction}" + (" +RMSNorm" if norm else "")
-            register(Variant(name, direction, "wall", _op_compiled_builder(direction, norm, mode),
+            register(Variant(name, direction, "wall", op_compiled_builder(direction, norm, mode),
                              rms_norm=norm, compiled=True))
 
 _register_defaults()
