@@ -1,0 +1,179 @@
+"""Kernel timing of the streaming family on the current GPU (not collected by pytest).
+
+Per shape: forward and backward kernel time per call from CUDA-graph replays of 20 launches
+that rotate over input sets larger than L2, against the DRAM floor (SPEC 5 bytes over the
+measured device-to-device copy bandwidth). Knob variants (--variants) are timed beside the
+default key. Prints a table; --json writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from csa_ops import host
+from csa_ops.kernels import streaming
+
+SHAPES = (  # (tokens, head_dim, ratio, coff)
+    (65536, 128, 128, 1),
+    (65536, 128, 128, 2),
+    (65536, 512, 128, 1),
+    (65536, 512, 128, 2),
+    (131072, 128, 128, 1),
+    (131072, 128, 128, 2),
+    (131072, 512, 128, 1),
+    (131072, 512, 128, 2),
+)
+L2_BYTES = 60 * 2**20
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
+
+
+class Launch:
+    """A compiled key with its pointers bound once, so a call is one kernel launch."""
+
+    def __init__(self, key, backward, tensors, sizes, grid):
+        import cuda.bindings.driver as cuda
+        import cutlass
+        from cutlass import cute
+        from cutlass.cute.runtime import make_ptr
+
+        fn = streaming.compile_backward if backward else streaming.compile_forward
+        self.fn = fn(key)
+        types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                 torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
+        aligns = {torch.float32: 16, torch.int32: 4}
+        self.ptrs = [make_ptr(types[t.dtype], t.data_ptr(), cute.AddressSpace.gmem,
+                              aligns.get(t.dtype, key.align_bytes)) for t in tensors]
+        self.sizes = [cutlass.Int32(s) for s in (*sizes, grid)]
+        self.cuda = cuda
+
+    def __call__(self):
+        stream = self.cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        self.fn(*self.ptrs, *self.sizes, stream)
+
+
+def _inputs(tokens, d, ratio, coff, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn(tokens, coff * d, device="cuda", generator=gen).to(dtype)
+    score = (2 * torch.randn(tokens, coff * d, device="cuda", generator=gen)).to(dtype)
+    ape = 0.5 * torch.randn(ratio, coff * d, device="cuda", generator=gen)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    cuc = torch.tensor([0, tokens // ratio], dtype=torch.int32, device="cuda")
+    grad_out = torch.randn(tokens // ratio, d, device="cuda", generator=gen).to(dtype)
+    return kv, score, ape, cu, cuc, grad_out
+
+
+def _launches(key, backward, sets, sms):
+    out = []
+    for kv, score, ape, cu, cuc, grad_out in sets:
+        tokens, width = kv.shape
+        rows, d = grad_out.shape
+        if backward:
+            plan = streaming.plan_backward(key, tokens, rows, sms)
+            work = torch.empty(max(plan.workspace, 4), device="cuda")
+            outs = (torch.empty_like(kv), torch.empty_like(kv),
+                    torch.empty(key.ratio, width, device="cuda"), work)
+            tensors = (grad_out, kv, score, ape, cu, cuc, *outs)
+        else:
+            plan = streaming.plan_forward(key, tokens, rows, sms)
+            outs = (torch.empty(rows, d, dtype=kv.dtype, device="cuda"),
+                    torch.empty(4, device="cuda"))
+            tensors = (kv, score, ape, cu, cuc, *outs)
+        launch = Launch(key, backward, tensors, (tokens, rows, 1), plan.grid)
+        launch.keep = outs
+        out.append(launch)
+    return out
+
+
+def graph_time(launches, per_graph=20, replays=30) -> float:
+    for fn in launches:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            launches[i % len(launches)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * per_graph))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--variants", default="",
+                        help="';'-separated knob sets, e.g. 'stages=3,ctas=1;fast_exp=0'")
+    args = parser.parse_args()
+    variants = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")}
+                for v in args.variants.split(";") if v]
+    dtype = getattr(torch, args.dtype)
+    arch = host.device_arch()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows_out = []
+    for tokens, d, ratio, coff in SHAPES:
+        eb = torch.tensor([], dtype=dtype).element_size()
+        rows = tokens // ratio
+        in_bytes = 2 * tokens * coff * d * eb
+        fwd_bytes = in_bytes + rows * d * eb
+        bwd_bytes = fwd_bytes + rows * d * eb + in_bytes
+        nsets = max(1, min(8, -(-3 * L2_BYTES // in_bytes)))
+        sets = [_inputs(tokens, d, ratio, coff, dtype, seed) for seed in range(nsets)]
+        rec = {"shape": f"1x{tokens} d{d} r{ratio} c{coff}",
+               "floor_fwd_us": fwd_bytes / bw * 1e6, "floor_bwd_us": bwd_bytes / bw * 1e6}
+        for backward in (False, True):
+            base = streaming.configure(ratio, coff, d, args.dtype, arch, backward)
+            tag = "bwd" if backward else "fwd"
+            rec[f"{tag}_us"] = graph_time(_launches(base, backward, sets, sms))
+            rec[f"{tag}_key"] = str(dict(base.knobs))
+            for var in variants:
+                knobs = tuple({**dict(base.knobs), **var}.items())
+                key = dataclasses.replace(base, knobs=knobs)
+                if not streaming.supports(key):
+                    continue
+                t = graph_time(_launches(key, backward, sets, sms))
+                rec.setdefault("variants", []).append({"dir": tag, "knobs": var, "us": t})
+                print(f"  {rec['shape']} {tag} {var}: {t:.2f} us (default {rec[tag + '_us']:.2f})")
+        rows_out.append(rec)
+        del sets
+        torch.cuda.empty_cache()
+    print(f"{'shape':<24}{'fwd us':>9}{'floor':>8}{'x':>6}{'bwd us':>9}{'floor':>8}{'x':>6}")
+    for r in rows_out:
+        print(f"{r['shape']:<24}{r['fwd_us']:9.2f}{r['floor_fwd_us']:8.2f}"
+              f"{r['fwd_us'] / r['floor_fwd_us']:6.2f}{r['bwd_us']:9.2f}{r['floor_bwd_us']:8.2f}"
+              f"{r['bwd_us'] / r['floor_bwd_us']:6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows_out},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
