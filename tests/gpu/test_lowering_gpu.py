@@ -1,0 +1,209 @@
+"""csa_ops.lowering on CUDA: generated Triton against the reference, the code Inductor emits in
+each mode, data-dependent and dynamic shapes, and the auto policy's choices."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch._inductor.utils import run_and_get_code
+
+import csa_ops
+from csa_ops import lowering, offsets_for, reference
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not lowering.available, reason="csa_ops.lowering not registered"),
+]
+
+
+@contextlib.contextmanager
+def lowering_mode(mode):
+    previous = lowering.mode
+    lowering.mode = mode
+    try:
+        yield
+    finally:
+        lowering.mode = previous
+
+
+@pytest.fixture
+def no_caches():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+def _kernels(code: str):
+    return re.findall(r"^(triton_\w+) = async_compile", code, flags=re.MULTILINE)
+
+
+def _extern_ops(code: str):
+    """Calls of the opaque ops (not the asserts and comments that name them)."""
+    return re.findall(r"= torch\.ops\.csa\.(\w+)\.default\(", code)
+
+
+def _buffers(code: str):
+    shapes = re.findall(r"empty_strided_cuda\(\(([^)]*)\)", code)
+    return [tuple(int(x) for x in s.replace(" ", "").split(",") if x) for s in shapes]
+
+
+def _assert_no_window_buffer(code: str, rows: int, window: int, head_dim: int, grads):
+    """No buffer but the (T, coff*d) gradient outputs reaches rows * window * d elements."""
+    for shape in _buffers(code):
+        numel = 1
+        for x in shape:
+            numel *= x
+        assert len(shape) <= 2 and (shape == grads or numel < rows * window * head_dim), shape
+
+
+def _pack(lengths, ratio, coff, head_dim, dtype, extra_tokens=3, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cu, cuc = offsets_for(lengths, ratio, "cuda")
+    tokens = sum(lengths) + extra_tokens
+    width = coff * head_dim
+    kv = torch.randn(tokens, width, device="cuda", generator=gen).to(dtype)
+    score = (2 * torch.randn(tokens, width, device="cuda", generator=gen)).to(dtype)
+    ape = 0.5 * torch.randn(ratio, width, device="cuda", generator=gen)
+    return kv, score, ape, cu, cuc
+
+
+def _fwd_bwd(grad_out, kv, score, ape, cu, cuc, ratio, coff, total_comp):
+    out = torch.ops.csa.compressor(kv, score, ape, cu, cuc, ratio, coff, total_comp)
+    grads = torch.ops.csa.compressor_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff)
+    return (out, *grads)
+
+
+def _ulp(x, dtype):
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    mag = x.double().abs().clamp_min(2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(mag)) - mantissa)
+
+
+CASES = [  # (lengths, ratio, coff, head_dim, dtype)
+    pytest.param((3, 0, 5), 1, 1, 7, torch.float32, id="r1_c1_d7_fp32"),
+    pytest.param((5, 0, 1, 8), 2, 2, 65, torch.bfloat16, id="r2_c2_d65_bf16"),
+    pytest.param((900, 3, 0, 1601), 4, 2, 128, torch.bfloat16, id="r4_c2_d128_bf16"),
+    pytest.param((9, 3, 0, 16), 4, 1, 33, torch.float16, id="r4_c1_d33_fp16"),
+    pytest.param((50, 0, 16, 9), 16, 2, 7, torch.float32, id="r16_c2_d7_fp32"),
+    pytest.param((3000, 127, 0, 1280), 128, 1, 512, torch.bfloat16, id="r128_c1_d512_bf16"),
+    pytest.param((600, 0, 255, 300), 256, 2, 3, torch.float32, id="r256_c2_d3_fp32"),
+]
+
+
+@pytest.mark.parametrize(("lengths", "ratio", "coff", "head_dim", "dtype"), CASES)
+def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, no_caches):
+    """Unrolled windows (coff*ratio <= UNROLL_MAX) with emulated precision casts reproduce the
+    reference bit for bit; Reduction windows match within summation-order rounding."""
+    kv, score, ape, cu, cuc = _pack(lengths, ratio, coff, head_dim, dtype)
+    true_rows = int(cuc[-1])
+    rows = true_rows + 2
+    grad_out = torch.randn(rows, head_dim, device="cuda").to(dtype)
+    args = (kv, score, ape, cu, cuc, ratio, coff, rows)
+    unrolled = coff * ratio <= lowering._generate.UNROLL_MAX
+    with lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
+        actual, (code,) = run_and_get_code(torch.compile(_fwd_bwd, fullgraph=True), grad_out,
+                                           *args)
+    assert _extern_ops(code) == []
+    if coff * ratio > 1:
+        _assert_no_window_buffer(code, rows, coff * ratio, head_dim, tuple(kv.shape))
+    expected = (reference.compressor_reference(*args),
+                *reference.compressor_backward_reference(grad_out, *args[:-1]))
+    for name, a, e in zip(("out", "grad_kv", "grad_score", "grad_ape"), actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        if unrolled and name != "grad_ape":
+            assert torch.equal(a, e), f"{name}: max error {float((a - e).abs().max())}"
+            continue
+        terms = coff * ratio * (rows + 1 if name == "grad_ape" else 1)
+        atol = 4 * (terms + 4) * 2.0**-23 * 8 * float(kv.abs().max())
+        bound = (_ulp(e, a.dtype) if a.dtype != torch.float32 else 0) + atol
+        err = (a.double() - e.double()).abs()
+        assert bool((err <= bound).all()), f"{name}: max error {float(err.max())}"
+    assert torch.count_nonzero(actual[0][true_rows:]) == 0
+    assert torch.count_nonzero(actual[1][int(cu[-1]):]) == 0
+
+
+def _block(dtype=torch.bfloat16, head_dim=128, ratio=4, coff=2, lengths=(300, 0, 77, 2, 500)):
+    torch.manual_seed(0)
+    module = csa_ops.Compressor(64, head_dim, ratio, coff, device="cuda", dtype=dtype)
+    cu, cuc = offsets_for(lengths, ratio, "cuda")
+    x = torch.randn(sum(lengths) + 5, 64, device="cuda", dtype=dtype)
+    return module, x, cu, cuc, int(cuc[-1]) + 3
+
+
+def _block_step(module, x, cu, cuc, total_comp):
+    x = x.detach().requires_grad_(True)
+    y = module(x, cu, cuc, total_comp)
+    grads = torch.autograd.grad(y.float().square().sum(), (x, module.ape, module.norm.weight))
+    return (y.detach(), *grads)
+
+
+@pytest.mark.parametrize("mode", ["generate", "extern", "auto"])
+def test_block_modes(mode, no_caches):
+    module, x, cu, cuc, rows = _block()
+    expected = _block_step(module, x, cu, cuc, rows)
+    with lowering_mode(mode):
+        actual, codes = run_and_get_code(_block_step, torch.compile(module, fullgraph=True), x,
+                                         cu, cuc, rows)
+    fwd_code, bwd_code = codes
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-2)
+    path = {d: lowering.policy.choose(d, x.device, x.dtype, 4, 2, 128, fusible_consumer=True)
+            for d in ("fwd", "bwd")}
+    fwd_extern = _extern_ops(fwd_code) == ["compressor"]
+    bwd_extern = _extern_ops(bwd_code) == ["compressor_backward"]
+    assert fwd_extern == (path["fwd"] == "extern"), (path, _extern_ops(fwd_code))
+    assert bwd_extern == (path["bwd"] == "extern"), (path, _extern_ops(bwd_code))
+    if not fwd_extern:
+        assert _extern_ops(fwd_code) == []
+        # The op and the RMSNorm share one Triton kernel.
+        assert any("compressor" in k and "rsqrt" in k for k in _kernels(fwd_code)), fwd_code
+        _assert_no_window_buffer(fwd_code, rows, 8, 128, None)
+    if not bwd_extern:
+        assert _extern_ops(bwd_code) == []
+        _assert_no_window_buffer(bwd_code, rows, 8, 128, (x.shape[0], 256))
+
+
+def test_auto_policy_on_this_gpu():
+    """auto: extern where the CuTe kernels support the configuration, generated otherwise
+    (fp64 is never supported by them; a fusible consumer of a short window generates)."""
+    dev = torch.device("cuda")
+    with lowering_mode("auto"):
+        choose = lowering.policy.choose
+        assert choose("fwd", dev, torch.float64, 4, 2, 128) == "generate"
+        supported = lowering.policy.extern_kernel_supports(dev, torch.bfloat16, 4, 2, 128)
+        assert choose("bwd", dev, torch.bfloat16, 4, 2, 128) == (
+            "extern" if supported else "generate")
+        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128, fusible_consumer=True) == "generate"
+
+
+def test_data_dependent_rows_and_dynamic_shapes(no_caches):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_fwd_bwd, backend=counter, fullgraph=True, dynamic=True)
+    with lowering_mode("generate"):
+        for lengths in [(13, 0, 9, 2, 20), (400, 3, 0, 17, 8)]:
+            kv, score, ape, cu, cuc = _pack(lengths, 4, 2, 6, torch.float32)
+            grad_out = torch.randn(int(cuc[-1]), 6, device="cuda")
+            args = (kv, score, ape, cu, cuc, 4, 2)
+            actual = compiled(grad_out, *args, None)
+            expected = (reference.compressor_reference(*args, None),
+                        *reference.compressor_backward_reference(grad_out, *args))
+            for a, e in zip(actual, expected):
+                torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+
+
+def test_reduce_overhead_static_capacity(no_caches):
+    """CUDA graphs over the generated path (static capacity): replays match eager."""
+    module, x, cu, cuc, rows = _block(dtype=torch.float32, head_dim=64)
+    expected = module(x, cu, cuc, rows)
+    with lowering_mode("generate"), torch.no_grad():
+        compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(x, cu, cuc, rows)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

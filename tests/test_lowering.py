@@ -1,0 +1,358 @@
+"""csa_ops.lowering on CPU: the policy, generated C++ against the reference, the code Inductor
+emits in each mode, data-dependent and dynamic shapes, cache invalidation, and pins of the
+graphs and of a digest of the generated code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+import expecttest
+import pytest
+import torch
+import torch._dynamo.testing
+from helpers import EPS, PackSpec, make_pack, offsets, spec_params, sum_tolerance, ulp, window
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+import csa_ops
+from csa_ops import lowering, reference
+
+pytestmark = pytest.mark.skipif(not lowering.available, reason="csa_ops.lowering not registered")
+
+
+@contextlib.contextmanager
+def lowering_mode(mode):
+    previous = lowering.mode
+    lowering.mode = mode
+    try:
+        yield
+    finally:
+        lowering.mode = previous
+
+
+@pytest.fixture
+def no_caches():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------
+# Code inspection
+
+
+def _buffers(code: str):
+    """Shapes of every buffer the wrapper allocates."""
+    shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
+    return [tuple(int(x) for x in s.replace(" ", "").split(",") if x) for s in shapes]
+
+
+def _numel(shape):
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _kernels(code: str):
+    return re.findall(r"^(cpp_fused_\w+) = ", code, flags=re.MULTILINE)
+
+
+def _extern_ops(code: str):
+    """Calls of the opaque ops (not the asserts and comments that name them)."""
+    return re.findall(r"= torch\.ops\.csa\.(\w+)\.default\(", code)
+
+
+def digest(code: str) -> str:
+    """Normalized, order-stable summary of one generated module: kernels, extern calls and
+    the buffers the wrapper allocates (names and AOT ids, which count up, are left out)."""
+    lines = [f"kernel {name}" for name in _kernels(code)]
+    lines += [f"extern csa.{name}" for name in _extern_ops(code)]
+    allocs = re.findall(r"empty_strided_cpu\((\([^)]*\)), \([^)]*\), torch\.(\w+)\)", code)
+    lines += [f"buffer {shape} {dtype}" for shape, dtype in allocs]
+    return "\n".join(lines)
+
+
+def _assert_no_window_buffer(code: str, rows: int, spec: PackSpec):
+    window_sized = rows * window(spec) * spec.head_dim
+    if window(spec) == 1:
+        return  # the output itself has window size
+    grads = (spec.num_tokens, spec.coff * spec.head_dim)  # grad_kv/grad_score are outputs
+    for shape in _buffers(code):
+        assert len(shape) <= 2, f"a buffer of rank {len(shape)}: {shape}"
+        assert shape == grads or _numel(shape) < window_sized, f"window-sized buffer {shape}"
+
+
+# ---------------------------------------------------------------------------------------
+# Policy
+
+
+def test_mode_validates_and_retags_caches():
+    with lowering_mode("auto"):
+        tag = torch.compiler.config.cache_key_tag
+        assert "csa_ops-" in tag and tag.endswith("-auto")
+        lowering.mode = "extern"
+        assert lowering.mode == "extern" == lowering.get_mode()
+        assert torch.compiler.config.cache_key_tag.endswith("-extern")
+        assert torch.compiler.config.cache_key_tag != tag
+        with pytest.raises(ValueError, match="must be one of"):
+            lowering.mode = "fast"
+        assert lowering.mode == "extern"
+
+
+def test_auto_generates_on_cpu_and_explicit_modes_win():
+    cpu = torch.device("cpu")
+    with lowering_mode("auto"):
+        assert lowering.policy.choose("fwd", cpu, torch.bfloat16, 4, 2, 128) == "generate"
+        assert not lowering.policy.extern_kernel_supports(cpu, torch.bfloat16, 4, 2, 128)
+    for mode in ("extern", "generate"):
+        with lowering_mode(mode):
+            assert lowering.policy.choose("bwd", cpu, torch.float32, 4, 2, 128) == mode
+
+
+def _import_in_subprocess(env_updates, statement):
+    env = {**os.environ, **env_updates}
+    return subprocess.run([sys.executable, "-c", f"import csa_ops.lowering as L; {statement}"],
+                          check=False, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_environment_variables():
+    run = _import_in_subprocess({"CSA_OPS_LOWERING": "Extern"}, "print(L.mode, L.available)")
+    assert run.stdout.split() == ["extern", "True"], run.stderr
+    run = _import_in_subprocess({"CSA_OPS_LOWERING": "nope"}, "pass")
+    assert "CSA_OPS_LOWERING" in run.stderr and "must be one of" in run.stderr
+    run = _import_in_subprocess({"CSA_OPS_LOWERING_DISABLE": "1"}, "print(L.available)")
+    assert run.stdout.split() == ["False"], run.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Generated code against the reference
+
+
+def _fwd_bwd(grad_out, kv, score, ape, cu, cuc, ratio, coff, total_comp):
+    out = torch.ops.csa.compressor(kv, score, ape, cu, cuc, ratio, coff, total_comp)
+    grads = torch.ops.csa.compressor_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff)
+    return (out, *grads)
+
+
+def _assert_close_to_reference(actual, expected, pack, rows):
+    """Output and grad_kv/grad_score: one rounding step of their dtype beyond the fp32 terms'
+    own error (Inductor's vectorized exp differs from ATen's by an ulp); grad_ape: summation
+    order over rows."""
+    dtype = pack.kv.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = float(pack.kv.abs().max()) * max(float(actual[0].abs().max()), 1.0) + 1.0
+    for name, a, e in zip(("out", "grad_kv", "grad_score", "grad_ape"), actual, expected):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        terms = window(pack) * (rows + 1) if name == "grad_ape" else window(pack)
+        atol = sum_tolerance(acc, terms, scale * 4)
+        bound = (ulp(e, a.dtype) if a.dtype != acc else 0) + atol
+        err = (a.double() - e.double()).abs()
+        assert bool((err <= bound).all()), f"{name}: max error {float(err.max())}"
+
+
+GENERATE_CASES = [
+    (PackSpec((3, 0, 5), ratio=1, coff=1, head_dim=7, extra_tokens=2, extra_rows=2),
+     torch.float32),
+    (PackSpec((5, 0, 1, 8), ratio=2, coff=2, head_dim=65, extra_tokens=3, extra_rows=1),
+     torch.bfloat16),
+    (PackSpec((11, 2, 6), ratio=3, coff=2, head_dim=7, extra_tokens=1), torch.float64),
+    (PackSpec((9, 3, 0, 16), ratio=4, coff=2, head_dim=128, extra_tokens=4, extra_rows=2),
+     torch.float16),
+    (PackSpec((50, 0, 16, 9), ratio=16, coff=2, head_dim=7, extra_tokens=5, extra_rows=2),
+     torch.float32),
+    (PackSpec((300, 127, 0, 128), ratio=128, coff=1, head_dim=7, extra_tokens=3, extra_rows=2),
+     torch.bfloat16),
+    (PackSpec((600, 0, 255, 300), ratio=256, coff=2, head_dim=3, extra_rows=1), torch.float32),
+]
+
+
+@pytest.mark.parametrize(("spec", "dtype"), [
+    pytest.param(spec, dtype, id=f"{spec_params([spec])[0].id}_{str(dtype)[6:]}")
+    for spec, dtype in GENERATE_CASES])
+def test_generated_forward_backward_match_reference(spec, dtype, no_caches):
+    pack = make_pack(spec, dtype=dtype)
+    rows = spec.capacity
+    grad_out = pack.grad_out()
+    with lowering_mode("generate"):
+        actual, code = run_and_get_code(torch.compile(_fwd_bwd, fullgraph=True), grad_out,
+                                        *pack.args())
+    (code,) = code
+    assert _extern_ops(code) == []
+    _assert_no_window_buffer(code, rows, spec)
+    expected = (reference.compressor_reference(*pack.args()),
+                *reference.compressor_backward_reference(grad_out, *pack.tensors(), spec.ratio,
+                                                         spec.coff))
+    _assert_close_to_reference(actual, expected, pack, rows)
+    true_rows, true_tokens = spec.true_rows, int(pack.cu_seqlens[-1])
+    assert torch.count_nonzero(actual[0][true_rows:]) == 0
+    assert torch.count_nonzero(actual[1][true_tokens:]) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# The Compressor block (linears, op, RMSNorm) through autograd in each mode
+
+
+MODULE_SPEC = PackSpec((13, 0, 9, 2, 20), ratio=4, coff=2, head_dim=32, extra_tokens=2,
+                       extra_rows=3)
+
+
+def _module_and_inputs(spec=MODULE_SPEC, dtype=torch.float32, dim=16):
+    torch.manual_seed(0)
+    module = csa_ops.Compressor(dim, spec.head_dim, spec.ratio, spec.coff, dtype=dtype)
+    cu, cuc = offsets(spec.lengths, spec.ratio)
+    x = torch.randn(spec.num_tokens, dim, dtype=dtype)
+    return module, x, cu, cuc
+
+
+def _module_step(module, x, cu, cuc, total_comp):
+    """Output and grads of (x, ape, norm weight) for the loss sum(y^2) (compiled or not)."""
+    x = x.detach().requires_grad_(True)
+    y = module(x, cu, cuc, total_comp)
+    grads = torch.autograd.grad(y.square().sum(), (x, module.ape, module.norm.weight))
+    return (y.detach(), *grads)
+
+
+@pytest.mark.parametrize("mode", ["generate", "extern", "auto"])
+def test_compressor_block_modes(mode, no_caches):
+    module, x, cu, cuc = _module_and_inputs()
+    rows = MODULE_SPEC.capacity
+    expected = _module_step(module, x, cu, cuc, rows)
+    compiled = torch.compile(module, fullgraph=True)
+    with lowering_mode(mode):
+        actual, codes = run_and_get_code(_module_step, compiled, x, cu, cuc, rows)
+    fwd_code, bwd_code = codes
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=2e-5, atol=2e-5)
+    if mode == "extern":
+        assert _extern_ops(fwd_code) == ["compressor"]
+        assert _extern_ops(bwd_code) == ["compressor_backward"]
+        return
+    # CPU auto generates: the op and the RMSNorm in one C++ kernel, nothing window-sized.
+    assert _extern_ops(fwd_code) == [] and _extern_ops(bwd_code) == []
+    (kernel,) = _kernels(fwd_code)
+    assert "compressor" in kernel and "rsqrt" in kernel
+    assert len(_kernels(bwd_code)) == 1
+    _assert_no_window_buffer(fwd_code, rows, MODULE_SPEC)
+    _assert_no_window_buffer(bwd_code, rows, MODULE_SPEC)
+
+
+def test_data_dependent_rows_and_dynamic_shapes(no_caches):
+    """total_comp=None under dynamic=True: one graph serves packs of other sizes."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_fwd_bwd, backend=counter, fullgraph=True, dynamic=True)
+    with lowering_mode("generate"):
+        for lengths in [(13, 0, 9, 2, 20), (40, 3, 0, 17, 8)]:
+            spec = PackSpec(lengths, ratio=4, coff=2, head_dim=6, extra_tokens=3)
+            pack = make_pack(spec)
+            grad_out = pack.grad_out(total_comp=None)
+            actual = compiled(grad_out, *pack.args(total_comp=None))
+            expected = (reference.compressor_reference(*pack.args(total_comp=None)),
+                        *reference.compressor_backward_reference(grad_out, *pack.tensors(), 4, 2))
+            _assert_close_to_reference(actual, expected, pack, spec.true_rows)
+    assert counter.frame_count == 1
+
+
+def test_no_stale_code_across_modes():
+    """With caches on, code compiled under one mode is never served under another."""
+
+    def fn(*args):
+        return torch.ops.csa.compressor(*args).relu()
+
+    pack = make_pack(MODULE_SPEC)
+    seen = []
+    with fresh_cache(), lowering_mode("generate"):
+        for mode in ("generate", "extern", "generate"):
+            lowering.mode = mode  # resets dynamo, so every pass compiles (or hits the cache)
+            _, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), *pack.args())
+            seen.append(_extern_ops(code))
+    assert seen == [[], ["compressor"], []]
+
+
+# ---------------------------------------------------------------------------------------
+# Pins (EXPECTTEST_ACCEPT=1 rewrites them): the graph Inductor lowers and what it emits
+
+
+def _inductor_graphs(fn, *args):
+    backend = torch._dynamo.testing.InductorAndRecordGraphs()
+    _, codes = run_and_get_code(torch.compile(fn, backend=backend, fullgraph=True), *args)
+    graphs = [torch._dynamo.testing.normalize_gm(g.print_readable(print_output=False))
+              for g in backend.inductor_graphs]
+    return graphs, codes
+
+
+class TestPins(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        self._patch = torch._inductor.config.patch(force_disable_caches=True)
+        self._patch.__enter__()
+
+    def tearDown(self):
+        self._patch.__exit__(None, None, None)
+        torch._dynamo.reset()
+
+    def test_pin_data_dependent_forward(self):
+        pack = make_pack(PackSpec((13, 0, 9), ratio=4, coff=2, head_dim=4))
+        with lowering_mode("generate"):
+            (graph,), (code,) = _inductor_graphs(
+                lambda *a: torch.ops.csa.compressor(*a).relu(), *pack.args(total_comp=None))
+        self.assertExpectedInline(graph, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[22, 8]", arg1_1: "f32[22, 8]", arg2_1: "f32[4, 8]", arg3_1: "i32[4]", arg4_1: "i32[4]"):
+        select: "i32[]" = torch.ops.aten.select.int(arg4_1, 0, -1)
+        _local_scalar_dense: "Sym(u0)" = torch.ops.aten._local_scalar_dense.default(select);  select = None
+        ge_1: "Sym(u0 >= 0)" = _local_scalar_dense >= 0
+        _assert_scalar = torch.ops.aten._assert_scalar.default(ge_1, "Runtime assertion failed for expression u0 >= 0 on node 'ge'");  ge_1 = _assert_scalar = None
+        compressor: "f32[u0, 4]" = torch.ops.csa.compressor.default(arg0_1, arg1_1, arg2_1, arg3_1, arg4_1, 4, 2, _local_scalar_dense);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = arg4_1 = _local_scalar_dense = None
+        relu: "f32[u0, 4]" = torch.ops.aten.relu.default(compressor);  compressor = None
+        return (relu,)
+""")
+        self.assertExpectedInline(digest(code), """\
+kernel cpp_fused_compressor_relu_0
+buffer (u0, ) int32
+buffer (u0, 4) float32""")
+
+    def test_pin_block_forward_backward(self):
+        module, x, cu, cuc = _module_and_inputs()
+        compiled = torch.compile(module, fullgraph=True)
+        with lowering_mode("generate"):
+            _, codes = run_and_get_code(_module_step, compiled, x, cu, cuc, MODULE_SPEC.capacity)
+        self.assertExpectedInline("\n---\n".join(digest(c) for c in codes), """\
+kernel cpp_fused_add_compressor_mean_mul_pow_rsqrt_0
+buffer (46, 64) float32
+buffer (46, 64) float32
+buffer (13, ) int32
+buffer (13, 32) float32
+buffer (13, 1) float32
+buffer (13, 32) float32
+---
+kernel cpp_fused_add_compressor_backward_div_expand_mul_pow_sum_0
+buffer (1, 32) float32
+buffer (13, ) int32
+buffer (13, 1) float32
+buffer (13, 32) float32
+buffer (13, 32) float32
+buffer (13, 32) float32
+buffer (46, ) int32
+buffer (46, 64) float32
+buffer (46, 64) float32
+buffer (4, 64) float32
+buffer (64, 16) float32
+buffer (46, 16) float32
+buffer (64, 16) float32
+buffer (46, 16) float32""")
+
+
+def test_bf16_rmsnorm_fusion_matches_eager_with_emulated_casts(no_caches):
+    """Fused, Inductor skips the bf16 rounding between the op and RMSNorm; with
+    emulate_precision_casts the compiled block equals eager to one bf16 step."""
+    module, x, cu, cuc = _module_and_inputs(dtype=torch.bfloat16)
+    eager = module(x, cu, cuc, MODULE_SPEC.capacity)
+    with lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
+        compiled = torch.compile(module, fullgraph=True)(x, cu, cuc, MODULE_SPEC.capacity)
+    err = (compiled.double() - eager.double()).abs()
+    assert bool((err <= ulp(eager, torch.bfloat16) + 4 * EPS[torch.float32]).all())
