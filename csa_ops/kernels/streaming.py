@@ -39,30 +39,33 @@ def _shape(window: int, head_dim: int, vec: int) -> tuple[int, int, int]:
 
 
 def _smem_bytes(key: KernelKey, backward: bool, stages: int) -> int:
-    cv, wpc, kt = _shape(key.window, key.head_dim, key.vec)
+    cv, wpc, kt = key.knob("cv", 1), key.knob("wpc", 1), key.knob("kt", 1)
     cols, wpad = cv * key.vec, 32 * kt * wpc
     stage = (2 * wpad + (1 if backward else 0)) * cols * ELEM_BYTES[key.dtype]
     fixed = wpad * cols * 4 + 3 * cols * wpc * 4 + 2 * MAX_ROWS * 4
     return fixed + stages * stage + 1024
 
 
-def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
-              backward: bool) -> KernelKey:
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
+              cv: int | None = None, ctas: int | None = None,
+              stages: int | None = None) -> KernelKey:
+    """Heuristic key; cv / ctas / stages override the heuristic (autotuning)."""
     eb = ELEM_BYTES[dtype]
     vec = widest_vec(head_dim, eb, 16 // eb)
-    cv, wpc, kt = _shape(coff * ratio, head_dim, vec)
+    cv0, wpc, kt = _shape(coff * ratio, head_dim, vec)
+    cv = cv0 if cv is None else cv
     nt = 32 * cv * wpc
-    key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt)
-    ctas = max(1, min(2, 512 // nt))
-    stages = 1
-    while ctas >= 1:
+    shape = (("cv", cv), ("wpc", wpc), ("kt", kt))
+    key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
+                    knobs=shape)
+    ctas = max(1, min(4, 512 // nt)) if ctas is None else ctas
+    while stages is None:
         fits = [s for s in (4, 3, 2) if _smem_bytes(key, backward, s) * ctas <= SMEM_PER_SM]
-        if fits:
-            stages = fits[0]
-            break
-        ctas -= 1
-    ctas = max(ctas, 1)
-    knobs = (("cv", cv), ("wpc", wpc), ("kt", kt), ("stages", stages), ("ctas", ctas),
+        if fits or ctas == 1:
+            stages = fits[0] if fits else 2
+        else:
+            ctas -= 1
+    knobs = (*shape, ("stages", stages), ("ctas", ctas),
              ("fast_exp", 0 if backward else FWD_FAST_EXP))
     return KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
                      knobs=knobs)
@@ -218,15 +221,21 @@ class _Streaming:
         reference searches; every index is clamped into the offsets, so any content is safe."""
         lo = Int32(0)
         hi = num_segs
+        c_lo = mCuc[0]
+        u_lo = mCu[0]
         while lo < hi:
             mid = (lo + hi) // 2
-            if mCuc[mid + 1] <= n:
+            c = mCuc[mid + 1]
+            u = mCu[mid + 1]  # loaded beside cuc: the search is the only dependent chain
+            if c <= n:
                 lo = mid + 1
+                c_lo = c
+                u_lo = u
             else:
                 hi = mid
-        seg = cutlass.max(cutlass.min(lo, num_segs - 1), 0)
-        block = n - mCuc[seg]
-        t0 = Int64(mCu[seg]) + Int64(block) * self.r - (self.co - 1) * self.r
+        # lo == num_segs only when n >= cuc[-1] (not a real row) for sorted offsets.
+        block = n - c_lo
+        t0 = Int64(u_lo) + Int64(block) * self.r - (self.co - 1) * self.r
         t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-self.w - 1))
         fl = Int32(n < mCuc[num_segs] and num_segs > 0) + 2 * Int32(block > 0)
         return Int32(t0), fl
@@ -281,18 +290,6 @@ class _Streaming:
         if const_expr(self.bwd):
             sG = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, S)), 16)
 
-        # The CTA's ape tile, once: entry k reads ape row k % ratio, coff-half k // ratio.
-        for r in cutlass.range_constexpr(self.kt * self.ah):
-            q = tid + self.nt * r
-            k = q // (CV * self.ah)
-            c = (q // self.ah) % CV
-            h = q % self.ah
-            colc = cb * CV + c
-            if k < W and colc < self.ncv:
-                half = k // R
-                src = gApe[(None, (k - half * R, ((half * self.ncv + colc) * VEC) // self.av + h))]
-                sApe[(None, k, h, c)].store(src.load())
-
         # Row table: first window token and flags (bit 0: real row, bit 1: has a previous
         # block) of each row this CTA owns; one binary search per row, all rows in parallel.
         nr = Int32(0)
@@ -317,6 +314,19 @@ class _Streaming:
                 self._issue(Int32(p), p, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg,
                             groups, num_tokens, atom)
             cute.arch.cp_async_commit_group()
+        # The CTA's ape tile, once, while the first tiles are in flight (entry k: ape row
+        # k % ratio, coff-half k // ratio).
+        for r in cutlass.range_constexpr(self.kt * self.ah):
+            q = tid + self.nt * r
+            k = q // (CV * self.ah)
+            c = (q // self.ah) % CV
+            h = q % self.ah
+            colc = cb * CV + c
+            if k < W and colc < self.ncv:
+                half = k // R
+                col = ((half * self.ncv + colc) * VEC) // self.av + h
+                sApe[(None, k, h, c)].store(gApe[(None, (k - half * R, col))].load())
+
         for j in cutlass.range(nr, unroll=1):
             cute.arch.cp_async_wait_group(S - 2)
             # Row j's tile is complete for every thread, and row j-1's stage is free.
@@ -512,16 +522,27 @@ class _Streaming:
 
     @cute.kernel
     def combine(self, mWork: cute.Tensor, mGape: cute.Tensor, groups: Int32):
-        """grad_ape[e] = sum of the CTA partials, groups ascending."""
+        """grad_ape[e] = sum of the CTA partials: warp w sums groups w, w + 16, ... in order,
+        then warp 0 sums the 16 warp sums in order (fixed order, many loads in flight)."""
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        e = bid * 256 + tid
+        lane = tid % 32
+        warp = tid // 32
+        e = bid * 32 + lane
         size = self.r * self.co * self.d
+        smem = cutlass.memory.SmemAllocator()
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((32, 16)), 16)
+        acc = Float32(0.0)
         if e < size:
-            acc = Float32(0.0)
-            for g in cutlass.range(groups, unroll=8):
+            for g in cutlass.range(warp, groups, 16, unroll=4):
                 acc = acc + mWork[g * size + e]
-            mGape[e] = acc
+        sPart[lane, warp] = acc
+        cute.arch.barrier()
+        if warp == 0 and e < size:
+            tot = sPart[lane, 0]
+            for w in cutlass.range_constexpr(1, 16):
+                tot = tot + sPart[lane, w]
+            mGape[e] = tot
 
     # ---------------------------------------------------------------- launch entries
     def _launch_main(self, gKV, gSc, p_ape, p_cu, p_cuc, gOut, gGo, gGkv, gGsc, gWork,
@@ -575,7 +596,7 @@ class _Streaming:
         mWork = cute.make_tensor(p_work, cute.make_layout(groups * size))
         mGape = cute.make_tensor(p_gape, cute.make_layout(size))
         self.combine(mWork, mGape, groups).launch(
-            grid=((size + 255) // 256, 1, 1), block=(256, 1, 1), stream=stream)
+            grid=((size + 31) // 32, 1, 1), block=(512, 1, 1), stream=stream)
 
 
 def _compile(key: KernelKey, backward: bool):

@@ -9,7 +9,6 @@ default key. Prints a table; --json writes it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
@@ -128,7 +127,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--variants", default="",
-                        help="';'-separated knob sets, e.g. 'stages=3,ctas=1;fast_exp=0'")
+                        help="';'-separated configure overrides, e.g. 'cv=4;cv=4,ctas=3'")
     args = parser.parse_args()
     variants = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")}
                 for v in args.variants.split(";") if v]
@@ -154,13 +153,14 @@ def main() -> None:
             rec[f"{tag}_us"] = graph_time(_launches(base, backward, sets, sms))
             rec[f"{tag}_key"] = str(dict(base.knobs))
             for var in variants:
-                knobs = tuple({**dict(base.knobs), **var}.items())
-                key = dataclasses.replace(base, knobs=knobs)
-                if not streaming.supports(key):
+                key = streaming.configure(ratio, coff, d, args.dtype, arch, backward, **var)
+                if key == base or not streaming.supports(key):
                     continue
                 t = graph_time(_launches(key, backward, sets, sms))
-                rec.setdefault("variants", []).append({"dir": tag, "knobs": var, "us": t})
-                print(f"  {rec['shape']} {tag} {var}: {t:.2f} us (default {rec[tag + '_us']:.2f})")
+                rec.setdefault("variants", []).append({"dir": tag, "knobs": dict(key.knobs),
+                                                       "us": t})
+                print(f"  {rec['shape']} {tag} {dict(key.knobs)}: {t:.2f} us "
+                      f"(default {rec[tag + '_us']:.2f})")
         rows_out.append(rec)
         del sets
         torch.cuda.empty_cache()
