@@ -47,9 +47,9 @@ def _smem_bytes(key: KernelKey, backward: bool, stages: int) -> int:
 
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
-              cv: int | None = None, ctas: int | None = None,
-              stages: int | None = None) -> KernelKey:
-    """Heuristic key; cv / ctas / stages override the heuristic (autotuning)."""
+              cv: int | None = None, ctas: int | None = None, stages: int | None = None,
+              fast_exp: int | None = None) -> KernelKey:
+    """Heuristic key; the keyword arguments override the heuristic (autotuning)."""
     eb = ELEM_BYTES[dtype]
     vec = widest_vec(head_dim, eb, 16 // eb)
     cv0, wpc, kt = _shape(coff * ratio, head_dim, vec)
@@ -66,7 +66,7 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backw
         else:
             ctas -= 1
     knobs = (*shape, ("stages", stages), ("ctas", ctas),
-             ("fast_exp", 0 if backward else FWD_FAST_EXP))
+             ("fast_exp", (0 if backward else FWD_FAST_EXP) if fast_exp is None else fast_exp))
     return KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
                      knobs=knobs)
 
@@ -79,8 +79,7 @@ def supports(key: KernelKey) -> bool:
         return False
     if key.threads > 1024 or 32 * wpc * kt < key.window or 32 % key.vec:
         return False
-    backward = key.knob("fast_exp", 0) == 0
-    return _smem_bytes(key, backward, key.knob("stages", 1)) <= SMEM_PER_SM
+    return _smem_bytes(key, True, key.knob("stages", 1)) <= SMEM_PER_SM  # bwd: the larger
 
 
 def _plan(key: KernelKey, num_rows: int, num_sms: int, backward: bool) -> LaunchPlan:
