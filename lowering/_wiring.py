@@ -8,6 +8,8 @@ decomposition, because an Inductor Pointwise cannot define an unbacked size.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch._inductor import decomposition as inductor_decomp
 from torch._inductor.lowering import fallback_handler, register_lowering
@@ -17,6 +19,7 @@ from . import _generate, policy
 
 FWD = torch.ops.csa.compressor.default
 BWD = torch.ops.csa.compressor_backward.default
+log = logging.getLogger(__name__)
 
 
 def _static(value) -> int:
@@ -37,24 +40,40 @@ def _head_dim_fn(kv, coff):
     return lambda: _static(kv.get_size()[1]) // coff
 
 
+def _generate_or_fall_back(op, build, args):
+    """Under "auto" a failure to build the IR (an Inductor internal that changed) falls back
+    to the extern call; a forced "generate" surfaces it."""
+    if policy.get_mode() != "auto":
+        return build()
+    try:
+        return build()
+    except Exception as error:  # noqa: BLE001  (any internal failure: the op still runs)
+        log.warning("csa_ops.lowering: generating %s failed (%s); calling the op instead",
+                    op, error)
+        return _extern(op, *args)
+
+
 def _lower_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
     ratio, coff = _static(ratio), _static(coff)
+    args = (kv, score, ape, cu, cuc, ratio, coff, total_comp)
     path = policy.choose("fwd", kv.get_device(), kv.get_dtype(), ratio, coff,
                          _head_dim_fn(kv, coff), fusible_consumer=_fusible_consumer())
     if path == "extern" or total_comp is None:
-        return _extern(FWD, kv, score, ape, cu, cuc, ratio, coff, total_comp)
-    problem = _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff)
-    return _generate.forward(problem, total_comp)
+        return _extern(FWD, *args)
+    return _generate_or_fall_back(FWD, lambda: _generate.forward(
+        _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff), total_comp), args)
 
 
 def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
     ratio, coff = _static(ratio), _static(coff)
+    args = (grad_out, kv, score, ape, cu, cuc, ratio, coff)
     path = policy.choose("bwd", kv.get_device(), kv.get_dtype(), ratio, coff,
                          _head_dim_fn(kv, coff))
     if path == "extern":
-        return _extern(BWD, grad_out, kv, score, ape, cu, cuc, ratio, coff)
-    problem = _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff)
-    return _generate.backward(problem, grad_out, ape.get_dtype())
+        return _extern(BWD, *args)
+    return _generate_or_fall_back(BWD, lambda: _generate.backward(
+        _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff), grad_out,
+        ape.get_dtype()), args)
 
 
 def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):

@@ -273,6 +273,22 @@ def test_no_stale_code_across_modes():
     assert seen == [[], ["compressor"], []]
 
 
+def test_auto_falls_back_to_the_op_when_generation_fails(monkeypatch, no_caches):
+    def broken(*args, **kwargs):
+        raise NotImplementedError("an Inductor internal moved")
+
+    monkeypatch.setattr(lowering._generate, "forward", broken)
+    pack = make_pack(MODULE_SPEC)
+    expected = reference.compressor_reference(*pack.args())
+    with lowering_mode("auto"):
+        out, (code,) = run_and_get_code(torch.compile(torch.ops.csa.compressor, fullgraph=True),
+                                        *pack.args())
+    assert _extern_ops(code) == ["compressor"]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with lowering_mode("generate"), pytest.raises(Exception, match="an Inductor internal moved"):
+        torch.compile(torch.ops.csa.compressor, fullgraph=True)(*pack.args())
+
+
 # ---------------------------------------------------------------------------------------
 # Pins (EXPECTTEST_ACCEPT=1 rewrites them): the graph Inductor lowers and what it emits
 
