@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 from helpers import (
@@ -250,3 +252,23 @@ def test_reference_speed_3x8192_d512_r4_c2():
     elapsed = time.perf_counter() - start
     assert out.shape == (spec.capacity, 512)
     assert elapsed < 30.0, f"CPU reference fwd+bwd took {elapsed:.1f} s"
+
+
+@st.composite
+def _random_specs(draw):
+    ratio = draw(st.sampled_from([1, 2, 3, 4, 5, 16]))
+    lengths = tuple(draw(st.lists(st.integers(0, 4 * ratio + 3), max_size=5)))
+    return PackSpec(lengths, ratio, coff=draw(st.sampled_from([1, 2])),
+                    head_dim=draw(st.integers(1, 9)), extra_tokens=draw(st.integers(0, 3)),
+                    extra_rows=draw(st.integers(0, 3)))
+
+
+@hypothesis.settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@hypothesis.given(spec=_random_specs(), total_comp=st.sampled_from(["capacity", None]))
+def test_random_packs_match_eager_fp64(spec, total_comp):
+    pack = make_pack(spec, torch.float64)
+    grad_out = pack.grad_out(total_comp)
+    actual = op_forward_backward(pack, grad_out, total_comp)
+    expected = eager_forward_backward(pack, grad_out, total_comp)
+    for name, a, e in zip(NAMES, actual, expected):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
