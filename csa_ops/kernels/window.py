@@ -109,6 +109,13 @@ def _probs(g, rKV, rS, sApe, i, cvl, first):
     return p, v
 
 
+def _ape_layout(g: _Geometry):
+    # Row-major (W, cvc*V): stage_ape writes it through raw offsets, and a thread's V
+    # columns of one entry are contiguous for vector reads. (make_layout defaults to
+    # column-major.)
+    return cute.make_layout((g.W, g.cvc * g.V), stride=(g.cvc * g.V, 1))
+
+
 def _window_io(g: _Geometry):
     """Window load/store helpers for one geometry (closures: the DSL traces them inline)."""
 
@@ -185,7 +192,7 @@ def _build_forward(key: KernelKey):
         cu = cute.make_tensor(p_cu, num_segs + 1)
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
         smem = SmemAllocator()
-        sApe = smem.allocate_tensor(Float32, cute.make_layout((g.W, g.cvc * g.V)), 16)
+        sApe = smem.allocate_tensor(Float32, _ape_layout(g), 16)
         rKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
         rS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
         active = n < num_rows and (not g.ragged_cols or cv < g.tpr)
@@ -305,7 +312,7 @@ def _build_backward(key: KernelKey):
         cu = cute.make_tensor(p_cu, num_segs + 1)
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
         smem = SmemAllocator()
-        sApe = smem.allocate_tensor(Float32, cute.make_layout((g.W, g.cvc * g.V)), 16)
+        sApe = smem.allocate_tensor(Float32, _ape_layout(g), 16)
         # Thread-major partials: conflict-free, and each thread owns its column of them.
         sAcc = smem.allocate_tensor(Float32, cute.make_layout((g.W * g.V, g.threads),
                                                               stride=(g.threads, 1)), 16)
@@ -354,7 +361,8 @@ def _build_backward(key: KernelKey):
         mWork = cute.make_tensor(p_work, num_parts * g.E)
         mGape = cute.make_tensor(p_gape, g.E)
         smem = SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((_FIN_SPLIT, 32)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((_FIN_SPLIT, 32), stride=(32, 1)),
+                                       16)
         total = Float32(0.0)
         if q < g.E:
             for x in cutlass.range(w, num_parts, _FIN_SPLIT, unroll=4):
