@@ -92,11 +92,15 @@ def window_key(
     return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=128)
 
 
-def enumerate_window_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str):
-    """All keys worth timing for one problem (autotuning enumerator)."""
-    eb = ELEM_BYTES[dtype]
-    vmax = widest_vec(head_dim, eb, 16)
-    vecs = [v for v in (1, 2, 4, 8, 16) if v <= vmax]
-    for vec in vecs:
+def enumerate_window_keys(
+    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
+):
+    """All register-window keys worth timing for one problem (autotuning enumerator)."""
+    vmax = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, 64 // (coff * ratio)))
+    for vec in (v for v in (1, 2, 4, 8, 16) if v <= vmax):
         for threads in (64, 128, 256):
-            yield KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=threads)
+            key = KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec,
+                            threads=threads)
+            yield key
+            if backward and threads == 128:
+                yield dataclasses.replace(key, knobs=(("min_ctas", 3),))

@@ -66,11 +66,16 @@ class KernelFamily(Protocol):
 # Family choice
 
 
+_FAMILIES: dict[str, KernelFamily | None] = {}
+
+
 def _family(name: str) -> KernelFamily | None:
-    try:
-        return importlib.import_module(_FAMILY_MODULES[name])  # type: ignore[return-value]
-    except ImportError:
-        return None
+    if name not in _FAMILIES:
+        try:
+            _FAMILIES[name] = importlib.import_module(_FAMILY_MODULES[name])  # type: ignore
+        except ImportError:
+            _FAMILIES[name] = None
+    return _FAMILIES[name]
 
 
 def select_key(
@@ -185,7 +190,7 @@ def precompile(
         raise ValueError(f"precompile: arch must be one of {config.ARCHS}, got {arch!r}")
     keys = []
     for direction, backward in (("fwd", False), ("bwd", True)):
-        key = select_key(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, backward)
+        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, backward)
         if key is None:
             raise ValueError(
                 f"precompile: no kernel family supports ratio={ratio}, coff={coff}, "
@@ -245,33 +250,60 @@ def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
     return t if t.data_ptr() % align == 0 else t.clone()
 
 
-_CUTE_TYPES: dict[torch.dtype, Any] = {}
+class _Runtime:
+    """DSL runtime objects, imported on first launch so `import csa_ops` stays light."""
 
-
-def _ptr(t: torch.Tensor, align: int) -> Any:
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-
-    if not _CUTE_TYPES:
+    def __init__(self) -> None:
+        import cuda.bindings.driver as cuda
         import cutlass
+        from cutlass import cute
+        from cutlass.cute.runtime import make_ptr
 
-        _CUTE_TYPES.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32})
-    return make_ptr(_CUTE_TYPES[t.dtype], t.data_ptr(), cute.AddressSpace.gmem, align)
+        self.stream_type = cuda.CUstream
+        self.int32 = cutlass.Int32
+        self.gmem = cute.AddressSpace.gmem
+        self.make_ptr = make_ptr
+        self.types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                      torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
+        # Pointer objects are plain values; the caching allocator hands out the same
+        # addresses step after step, so memoizing them saves most of their construction.
+        self.ptrs: dict[tuple, Any] = {}
+
+    def ptr(self, t: torch.Tensor, align: int) -> Any:
+        memo = (t.data_ptr(), t.dtype, align)
+        p = self.ptrs.get(memo)
+        if p is None:
+            if len(self.ptrs) > 4096:
+                self.ptrs.clear()
+            p = self.ptrs[memo] = self.make_ptr(self.types[t.dtype], memo[0], self.gmem, align)
+        return p
+
+
+_RUNTIME: list[_Runtime] = []
+
+
+def _launch_args(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes: list,
+                 stream: int) -> tuple[Any, list]:
+    """(compiled, runtime arguments) of one launch; args are (tensor, kind) pairs with kind
+    'data' (key dtype), 'f32' (ape, grad_ape) or 'idx' (cu, cuc)."""
+    if not _RUNTIME:
+        _RUNTIME.append(_Runtime())
+    rt = _RUNTIME[0]
+    compiled = _CACHE.get(direction, key)
+    if plan.workspace:
+        work = torch.empty(plan.workspace, dtype=torch.float32, device=args[0][0].device)
+    else:
+        work = next(t for t, kind in args if kind == "f32")  # never read: any fp32 pointer
+    aligns = {"data": key.align_bytes, "f32": 16, "idx": 4}
+    ptrs = [rt.ptr(t, aligns[kind]) for t, kind in [*args, (work, "f32")]]
+    scalars = [rt.int32(v) for v in (*sizes, plan.grid)]
+    return compiled, [*ptrs, *scalars, rt.stream_type(stream)]
 
 
 def _launch(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes: list) -> None:
-    """args: (tensor, kind) with kind 'data' (key dtype), 'f32' (ape, grad_ape) or 'idx'."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-
-    compiled = _CACHE.get(direction, key)
-    dev = args[0][0].device
-    work = torch.empty(max(plan.workspace, 4), dtype=torch.float32, device=dev)
-    aligns = {"data": key.align_bytes, "f32": 16, "idx": 4}
-    ptrs = [_ptr(t, aligns[kind]) for t, kind in [*args, (work, "f32")]]
-    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    compiled(*ptrs, *(cutlass.Int32(s) for s in sizes), cutlass.Int32(plan.grid), stream)
+    stream = torch.cuda.current_stream(args[0][0].device).cuda_stream
+    compiled, call_args = _launch_args(direction, key, plan, args, sizes, stream)
+    compiled(*call_args)
 
 
 def compressor_forward(

@@ -8,13 +8,12 @@ larger than L2, and the host time of one eager call. Prints a table; --json writ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
 import torch
 
-from csa_ops import host
+from csa_ops import config, host
 
 SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
     (1, 8192, 128, 4, 2),
@@ -91,20 +90,37 @@ def _host_time(fn, s, calls=200) -> float:
     return elapsed * 1e6 / calls
 
 
+def _sweep(ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
+    """Times every enumerated window key (vector width, CTA size, knobs); default restored."""
+    arch = host.device_arch()
+    for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
+        base = host.select_key(ratio, coff, d, dtype_name, arch, backward)
+        if base is None or base.family != "window":
+            continue
+        for key in config.enumerate_window_keys(ratio, coff, d, dtype_name, arch, backward):
+            host.set_key(key, backward)
+            host.precompile(ratio, d, coff, dtype)
+            t = _graph_time(fn, sets)
+            print(f"  {'bwd' if backward else 'fwd'} vec={key.vec} threads={key.threads} "
+                  f"{dict(key.knobs)}: {t:.2f} us (default {t_default:.2f})")
+        host.set_key(base, backward)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--bwd-knobs", default="min_ctas=3",
-                        help="comma-separated name=value backward knob variants to time too")
+    parser.add_argument("--only", default="", help="time only shapes whose label has this")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time every enumerated window key (autotuning data)")
     args = parser.parse_args()
-    args.bwd_knobs = [((kv.split("=")[0], int(kv.split("=")[1])),)
-                      for kv in args.bwd_knobs.split(",") if kv]
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows_out = []
     for segs, seqlen, d, ratio, coff in SHAPES:
+        if args.only not in f"{segs}x{seqlen} d{d} r{ratio} c{coff}":
+            continue
         eb = torch.tensor([], dtype=dtype).element_size()
         tokens = segs * seqlen
         rows = segs * (seqlen // ratio)
@@ -122,13 +138,8 @@ def main() -> None:
             return host.compressor_backward(s[6], *s[:5], ratio, coff)
 
         t_fwd, t_bwd = _graph_time(fwd, sets), _graph_time(bwd, sets)
-        for knobs in args.bwd_knobs if ratio * coff <= 8 else ():
-            base = host.select_key(ratio, coff, d, args.dtype, host.device_arch(), True)
-            host.set_key(dataclasses.replace(base, knobs=knobs), True)
-            host.precompile(ratio, d, coff, dtype)
-            alt = _graph_time(bwd, sets)
-            print(f"  bwd {knobs}: {alt:.2f} us (default {t_bwd:.2f})")
-            host.set_key(base, True)
+        if args.sweep:
+            _sweep(ratio, coff, d, args.dtype, dtype, fwd, bwd, sets, t_fwd, t_bwd)
         h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])
         floor_f, floor_b = fwd_bytes / bw * 1e6, bwd_bytes / bw * 1e6
         rec = {"shape": f"{segs}x{seqlen} d{d} r{ratio} c{coff}", "fwd_us": t_fwd,
