@@ -25,15 +25,15 @@ UNROLL_MAX = 16
 I64 = torch.int64
 # Round-to-nearest mul/div where the ops exist (2.13): a rounded product that Triton never
 # contracts into an FMA, and IEEE division instead of Triton's approximate div.full.
-_HAS_RN = hasattr(OpsHandler, "mul_rn") and hasattr(OpsHandler, "div_rn")
+EXACT_ROUNDING = hasattr(OpsHandler, "mul_rn") and hasattr(OpsHandler, "div_rn")
 
 
 def _mul(a, b):
-    return ops.mul_rn(a, b) if _HAS_RN else ops.mul(a, b)
+    return ops.mul_rn(a, b) if EXACT_ROUNDING else ops.mul(a, b)
 
 
 def _div(a, b):
-    return ops.div_rn(a, b) if _HAS_RN else ops.truediv(a, b)
+    return ops.div_rn(a, b) if EXACT_ROUNDING else ops.truediv(a, b)
 
 
 def _i64(x):

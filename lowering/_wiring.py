@@ -26,12 +26,6 @@ def _static(value) -> int:
     return V.graph.sizevars.guard_int(value)
 
 
-def _fusible_consumer() -> bool:
-    """The forward's output feeds an op Inductor can fuse into (not only the graph output)."""
-    node = V.graph.current_node
-    return any(user.op == "call_function" for user in node.users)
-
-
 def _extern(op, *args):
     return fallback_handler(op, add_to_fallback_set=False)(*args)
 
@@ -57,7 +51,7 @@ def _lower_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
     ratio, coff = _static(ratio), _static(coff)
     args = (kv, score, ape, cu, cuc, ratio, coff, total_comp)
     path = policy.choose("fwd", kv.get_device(), kv.get_dtype(), ratio, coff,
-                         _head_dim_fn(kv, coff), fusible_consumer=_fusible_consumer())
+                         _head_dim_fn(kv, coff))
     if path == "extern" or total_comp is None:
         return _extern(FWD, *args)
     return _generate_or_fall_back(FWD, lambda: _generate.forward(

@@ -5,6 +5,7 @@ graphs and of a digest of the generated code."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -94,7 +95,9 @@ def _assert_no_window_buffer(code: str, rows: int, spec: PackSpec):
 def test_mode_validates_and_retags_caches():
     with lowering_mode("auto"):
         tag = torch.compiler.config.cache_key_tag
-        assert "csa_ops-" in tag and tag.endswith("-auto")
+        # Package version and a digest of the lowering sources key every cached artifact.
+        assert f"csa_ops-{importlib.metadata.version('csa-ops')}-" in tag
+        assert lowering.policy._source_digest() in tag and tag.endswith("-auto")
         lowering.mode = "extern"
         assert lowering.mode == "extern" == lowering.get_mode()
         assert torch.compiler.config.cache_key_tag.endswith("-extern")

@@ -98,13 +98,15 @@ CASES = [  # (lengths, ratio, coff, head_dim, dtype)
 @pytest.mark.parametrize(("lengths", "ratio", "coff", "head_dim", "dtype"), CASES)
 def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, no_caches):
     """Unrolled windows (coff*ratio <= UNROLL_MAX) with emulated precision casts reproduce the
-    reference bit for bit; Reduction windows match within summation-order rounding."""
+    reference bit for bit where Inductor has round-to-nearest mul/div ops (EXACT_ROUNDING);
+    otherwise, and for Reduction windows, within one output rounding step plus fp32
+    summation-order error."""
     kv, score, ape, cu, cuc = _pack(lengths, ratio, coff, head_dim, dtype)
     true_rows = int(cuc[-1])
     rows = true_rows + 2
     grad_out = torch.randn(rows, head_dim, device="cuda").to(dtype)
     args = (kv, score, ape, cu, cuc, ratio, coff, rows)
-    unrolled = coff * ratio <= lowering._generate.UNROLL_MAX
+    bitwise = coff * ratio <= lowering._generate.UNROLL_MAX and lowering._generate.EXACT_ROUNDING
     with lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
         actual, (code,) = run_and_get_code(torch.compile(_fwd_bwd, fullgraph=True), grad_out,
                                            *args)
@@ -113,13 +115,14 @@ def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, no_c
         _assert_no_window_buffer(code, rows, coff * ratio, head_dim, tuple(kv.shape))
     expected = (reference.compressor_reference(*args),
                 *reference.compressor_backward_reference(grad_out, *args[:-1]))
+    scale = 8 * float(kv.abs().max()) * max(float(grad_out.abs().max()), 1.0)
     for name, a, e in zip(("out", "grad_kv", "grad_score", "grad_ape"), actual, expected):
         assert a.shape == e.shape and a.dtype == e.dtype, name
-        if unrolled and name != "grad_ape":
+        if bitwise and name != "grad_ape":
             assert torch.equal(a, e), f"{name}: max error {float((a - e).abs().max())}"
             continue
         terms = coff * ratio * (rows + 1 if name == "grad_ape" else 1)
-        atol = 4 * (terms + 4) * 2.0**-23 * 8 * float(kv.abs().max())
+        atol = 4 * (terms + 4) * 2.0**-23 * scale
         bound = (_ulp(e, a.dtype) if a.dtype != torch.float32 else 0) + atol
         err = (a.double() - e.double()).abs()
         assert bool((err <= bound).all()), f"{name}: max error {float(err.max())}"
@@ -127,7 +130,7 @@ def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, no_c
     assert torch.count_nonzero(actual[1][int(cu[-1]):]) == 0
 
 
-def _block(dtype=torch.bfloat16, head_dim=128, ratio=4, coff=2, lengths=(300, 0, 77, 2, 500)):
+def _block(dtype=torch.float32, head_dim=128, ratio=4, coff=2, lengths=(300, 0, 77, 2, 500)):
     torch.manual_seed(0)
     module = csa_ops.Compressor(64, head_dim, ratio, coff, device="cuda", dtype=dtype)
     cu, cuc = offsets_for(lengths, ratio, "cuda")
@@ -144,16 +147,17 @@ def _block_step(module, x, cu, cuc, total_comp):
 
 @pytest.mark.parametrize("mode", ["generate", "extern", "auto"])
 def test_block_modes(mode, no_caches):
+    """fp32 block (bf16 would compare Inductor's fused RMSNorm numerics, not the op)."""
     module, x, cu, cuc, rows = _block()
     expected = _block_step(module, x, cu, cuc, rows)
     with lowering_mode(mode):
         actual, codes = run_and_get_code(_block_step, torch.compile(module, fullgraph=True), x,
                                          cu, cuc, rows)
+        path = {d: lowering.policy.choose(d, x.device, x.dtype, 4, 2, 128) for d in ("fwd", "bwd")}
+    assert len(codes) == 2, f"{len(codes)} compiled modules"
     fwd_code, bwd_code = codes
     for a, e in zip(actual, expected):
-        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=2e-2)
-    path = {d: lowering.policy.choose(d, x.device, x.dtype, 4, 2, 128, fusible_consumer=True)
-            for d in ("fwd", "bwd")}
+        torch.testing.assert_close(a, e, rtol=1e-3, atol=1e-3)
     fwd_extern = _extern_ops(fwd_code) == ["compressor"]
     bwd_extern = _extern_ops(bwd_code) == ["compressor_backward"]
     assert fwd_extern == (path["fwd"] == "extern"), (path, _extern_ops(fwd_code))
@@ -169,16 +173,17 @@ def test_block_modes(mode, no_caches):
 
 
 def test_auto_policy_on_this_gpu():
-    """auto: extern where the CuTe kernels support the configuration, generated otherwise
-    (fp64 is never supported by them; a fusible consumer of a short window generates)."""
+    """auto: short-window forwards generate (measured faster); otherwise extern where the
+    CuTe kernels support the configuration (never fp64), generated elsewhere."""
     dev = torch.device("cuda")
     with lowering_mode("auto"):
         choose = lowering.policy.choose
-        assert choose("fwd", dev, torch.float64, 4, 2, 128) == "generate"
-        supported = lowering.policy.extern_kernel_supports(dev, torch.bfloat16, 4, 2, 128)
-        assert choose("bwd", dev, torch.bfloat16, 4, 2, 128) == (
-            "extern" if supported else "generate")
-        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128, fusible_consumer=True) == "generate"
+        supports = lowering.policy.extern_kernel_supports
+        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128) == "generate"
+        assert choose("bwd", dev, torch.float64, 4, 2, 128) == "generate"
+        for direction, ratio, coff in (("bwd", 4, 2), ("fwd", 128, 1), ("bwd", 128, 1)):
+            expected = "extern" if supports(dev, torch.bfloat16, ratio, coff, 512) else "generate"
+            assert choose(direction, dev, torch.bfloat16, ratio, coff, 512) == expected
 
 
 def test_data_dependent_rows_and_dynamic_shapes(no_caches):
