@@ -73,7 +73,8 @@ def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
 def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
     if total_comp is not None:
         return NotImplemented
-    head_dim = kv.shape[1] // coff
+    # int() specialises a symbolic width; only asked for when the answer depends on it.
+    head_dim = lambda: int(kv.shape[1]) // coff  # noqa: E731
     if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim) == "extern":
         return NotImplemented
     rows = cuc[-1].item()

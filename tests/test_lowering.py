@@ -196,6 +196,26 @@ def test_generated_forward_backward_match_reference(spec, dtype, no_caches):
     assert torch.count_nonzero(actual[1][true_tokens:]) == 0
 
 
+@pytest.mark.parametrize("mode", ["generate", "extern"])
+def test_strided_inputs(mode, no_caches):
+    """kv and score as column slices of one fused projection (row stride 2*width)."""
+    spec = PackSpec((9, 3, 0, 16), ratio=4, coff=2, head_dim=6, extra_tokens=1, extra_rows=1)
+    pack = make_pack(spec)
+    fused = torch.cat([pack.kv, pack.score], dim=1)
+    grad_out = pack.grad_out()
+
+    def fn(fused, ape, cu, cuc):
+        kv, score = fused.split(spec.coff * spec.head_dim, dim=1)
+        return _fwd_bwd(grad_out, kv, score, ape, cu, cuc, spec.ratio, spec.coff, spec.capacity)
+
+    with lowering_mode(mode):
+        actual = torch.compile(fn, fullgraph=True)(fused, *pack.tensors()[2:])
+    expected = (reference.compressor_reference(*pack.args()),
+                *reference.compressor_backward_reference(grad_out, *pack.tensors(), spec.ratio,
+                                                         spec.coff))
+    _assert_close_to_reference(actual, expected, pack, spec.capacity)
+
+
 # ---------------------------------------------------------------------------------------
 # The Compressor block (linears, op, RMSNorm) through autograd in each mode
 
