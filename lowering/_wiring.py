@@ -74,7 +74,7 @@ def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=N
     if total_comp is not None:
         return NotImplemented
     # int() specialises a symbolic width; only asked for when the answer depends on it.
-    head_dim = lambda: int(kv.shape[1]) // coff  # noqa: E731
+    head_dim = lambda: int(kv.shape[1]) // coff
     if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim) == "extern":
         return NotImplemented
     rows = cuc[-1].item()
