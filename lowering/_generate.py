@@ -1,9 +1,10 @@
 """Inductor IR for both directions of csa::compressor: the "generate" path.
 
 Windows of up to ``UNROLL_MAX`` entries are unrolled inside one Pointwise per output element
-in the reference's exact expression order (bitwise equal to ``csa_ops.reference``, and a
-following RMSNorm fuses into the same kernel); longer windows use Reduction IR (max, sum,
-weighted sum) and match within rounding. Nothing of window size (rows * W * d) is ever
+in ``csa_ops.reference``'s exact expression order (bit-identical on CUDA under
+emulate_precision_casts where Inductor has mul_rn/div_rn; C++ exp may differ from ATen's by an
+ulp), so a following RMSNorm fuses into the same kernel; longer windows use Reduction IR (max,
+sum, weighted sum) and match within rounding. Nothing of window size (rows * W * d) is ever
 materialized: the backward keeps three (rows, d) statistics and recomputes each entry.
 """
 
@@ -19,7 +20,7 @@ from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 # Largest window (coff * ratio) computed as one unrolled expression per element: beyond it the
-# per-thread live state (W exponentials) spills and Reduction IR is faster.
+# per-thread live state (W exponentials) would spill; Reduction IR keeps it bounded. Not tuned.
 UNROLL_MAX = 16
 
 I64 = torch.int64
