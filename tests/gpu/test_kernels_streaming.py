@@ -69,10 +69,10 @@ def _nan(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None):
+def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None, **knobs):
     head_dim = kv.shape[1] // coff
     key = streaming.configure(ratio, coff, head_dim, _NAMES[kv.dtype], host.device_arch(),
-                              False)
+                              False, **knobs)
     assert streaming.supports(key)
     cb = -(-head_dim // (key.knob("cv", 1) * key.vec))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -85,11 +85,11 @@ def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None):
     return out
 
 
-def run_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff, groups=None):
+def run_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff, groups=None, **knobs):
     num_tokens, width = kv.shape
     head_dim = width // coff
     key = streaming.configure(ratio, coff, head_dim, _NAMES[kv.dtype], host.device_arch(),
-                              True)
+                              True, **knobs)
     assert streaming.supports(key)
     cb = -(-head_dim // (key.knob("cv", 1) * key.vec))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -131,10 +131,11 @@ def _check_grad(got, ref, oracle, dtype, name):
     assert err_got <= 1.02 * err_ref + 1e-12, f"{name}: {err_got} vs reference {err_ref}"
 
 
-def _compare(pack, grad_out, dtype, groups=None):
+def _compare(pack, grad_out, dtype, groups=None, **knobs):
     spec = pack.spec
-    out = run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity, groups)
-    gkv, gsc, gape = run_backward(grad_out, *pack.tensors(), spec.ratio, spec.coff, groups)
+    out = run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity, groups, **knobs)
+    gkv, gsc, gape = run_backward(grad_out, *pack.tensors(), spec.ratio, spec.coff, groups,
+                                  **knobs)
     _check_forward(out, reference.compressor_reference(*pack.args()), dtype)
     ref = reference.compressor_backward_reference(grad_out, *pack.tensors(), spec.ratio,
                                                   spec.coff)
@@ -169,6 +170,16 @@ def test_any_launch_plan(groups):
     spec = PackSpec((128 * 200 + 5, 300, 0), ratio=128, coff=2, head_dim=128, extra_rows=7)
     pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=12)
     _compare(pack, _grad_out(spec.capacity, 128, torch.bfloat16), torch.bfloat16, groups)
+
+
+@pytest.mark.parametrize("knobs", [dict(cv=4), dict(cv=8), dict(cv=4, ctas=3),
+                                   dict(fast_exp=1), dict(fast_exp=0)], ids=str)
+@pytest.mark.parametrize("coff", (1, 2))
+def test_autotune_variants(coff, knobs):
+    # Every key the timing script may pick must be exact too, in both directions.
+    spec = PackSpec((128 * 40 + 3, 130, 0), ratio=128, coff=coff, head_dim=192, extra_rows=2)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=13)
+    _compare(pack, _grad_out(spec.capacity, 192, torch.bfloat16), torch.bfloat16, **knobs)
 
 
 def test_bitwise_deterministic():
