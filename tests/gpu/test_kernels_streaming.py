@@ -172,8 +172,8 @@ def test_any_launch_plan(groups):
     _compare(pack, _grad_out(spec.capacity, 128, torch.bfloat16), torch.bfloat16, groups)
 
 
-@pytest.mark.parametrize("knobs", [dict(cv=4), dict(cv=8), dict(cv=4, ctas=3),
-                                   dict(fast_exp=1), dict(fast_exp=0)], ids=str)
+@pytest.mark.parametrize("knobs", [{"cv": 4}, {"cv": 8}, {"cv": 4, "ctas": 3},
+                                   {"fast_exp": 1}, {"fast_exp": 0}], ids=str)
 @pytest.mark.parametrize("coff", (1, 2))
 def test_autotune_variants(coff, knobs):
     # Every key the timing script may pick must be exact too, in both directions.
