@@ -48,7 +48,7 @@ def _smem_bytes(key: KernelKey, backward: bool, stages: int) -> int:
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
               cv: int | None = None, ctas: int | None = None, stages: int | None = None,
-              fast_exp: int | None = None) -> KernelKey:
+              fast_exp: int | None = None, lean: int = 0) -> KernelKey:
     """Heuristic key; the keyword arguments override the heuristic (autotuning)."""
     eb = ELEM_BYTES[dtype]
     vec = widest_vec(head_dim, eb, 16 // eb)
@@ -69,7 +69,8 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backw
         else:
             ctas -= 1
     knobs = (*shape, ("stages", stages), ("ctas", ctas),
-             ("fast_exp", (0 if backward else FWD_FAST_EXP) if fast_exp is None else fast_exp))
+             ("fast_exp", (0 if backward else FWD_FAST_EXP) if fast_exp is None else fast_exp),
+             ("lean", lean))
     return KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
                      knobs=knobs)
 
@@ -133,6 +134,8 @@ class _Streaming:
         self.wpad = 32 * self.kt * self.wpc
         self.stages, self.ctas = key.knob("stages", 1), key.knob("ctas", 1)
         self.fast_exp = bool(key.knob("fast_exp", 0))
+        # lean: rows whose whole window exists skip the per-entry masks (same results).
+        self.lean = bool(key.knob("lean", 0)) and self.wpad == self.w
         self.bwd = backward
         self.ncv = self.d // self.vec  # column vectors per coff-half
         self.cb = -(-self.ncv // self.cv)
@@ -216,10 +219,13 @@ class _Streaming:
                 res = self._op(res, sRed[col, w, cvw, kind], is_max)
         return res
 
+    def _pick(self, ok, a, b):
+        return a if ok is True else cutlass.select_(ok, a, b)
+
     @cute.jit
     def _row_info(self, n, mCu, mCuc, num_tokens, num_segs):
         """(first window token, flags) of row n; flag bit 0: a real row (n < cuc[-1]), bit 1:
-        its block has a previous block. Segment: how many of cuc[1:] are <= n, as the
+        its block has a previous block, bit 2: every window entry exists. Segment: how many of cuc[1:] are <= n, as the
         reference searches; every index is clamped into the offsets, so any content is safe."""
         lo = Int32(0)
         hi = num_segs
@@ -239,7 +245,9 @@ class _Streaming:
         block = n - c_lo
         t0 = Int64(u_lo) + Int64(block) * self.r - (self.co - 1) * self.r
         t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-self.w - 1))
-        fl = Int32(n < mCuc[num_segs] and num_segs > 0) + 2 * Int32(block > 0)
+        real = n < mCuc[num_segs] and num_segs > 0
+        full = real and t0 >= 0 and t0 + self.w <= num_tokens and (self.co == 1 or block > 0)
+        fl = Int32(real) + 2 * Int32(block > 0) + 4 * Int32(full)
         return Int32(t0), fl
 
     @cute.jit
@@ -249,7 +257,7 @@ class _Streaming:
         tk = t0 + k
         ok = k < self.w and tk >= 0 and tk < num_tokens
         if const_expr(self.co == 2):
-            ok = ok and (fl >= 2 or k >= self.r)
+            ok = ok and ((fl & 2) != 0 or k >= self.r)
         return ok
 
     @cute.jit
@@ -340,8 +348,15 @@ class _Streaming:
             cute.arch.cp_async_commit_group()
             fl = sFl[j]
             if (fl & 1) != 0:
-                self._row(sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S,
-                          rg + j * groups, sT0[j], fl, num_tokens, tid, lane, cvw, wp, cb)
+                args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S, rg + j * groups,
+                        sT0[j], fl, num_tokens, tid, lane, cvw, wp, cb)
+                if const_expr(self.lean):
+                    if (fl & 4) != 0:
+                        self._row(*args, False)
+                    else:
+                        self._row(*args, True)
+                else:
+                    self._row(*args, True)
             elif const_expr(not self.bwd):  # noqa: SIM102 (compile-time, then run-time test)
                 if lane == 0 and wp == 0 and cb * CV + cvw < self.ncv:
                     self._store(gOut[(None, (rg + j * groups, cb * CV + cvw))],
@@ -383,7 +398,7 @@ class _Streaming:
 
     @cute.jit
     def _row(self, sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, st, n, t0, fl, num_tokens,
-             tid, lane, cvw, wp, cb):
+             tid, lane, cvw, wp, cb, masked):
         """Softmax pooling (forward) or its gradient (backward) of one row's column block.
 
         Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e and a = sum e * v
@@ -391,7 +406,9 @@ class _Streaming:
         p = e / s, grad_v = p * g, grad_l = p * (g * v - dot), as the reference."""
         VEC, KT = self.vec, self.kt
         kk = [(wp * KT + i) * 32 + lane for i in range(KT)]
-        ok = [self._entry_ok(kk[i], t0, fl, num_tokens) for i in range(KT)]
+        ok = [True] * KT
+        if const_expr(masked):
+            ok = [self._entry_ok(kk[i], t0, fl, num_tokens) for i in range(KT)]
         ph = [self._phys(cvw, kk[i]) for i in range(KT)]
         col = (lane >> (5 - self.lv)) % VEC
         ninf = Float32(-math.inf)
@@ -406,7 +423,7 @@ class _Streaming:
                 part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
                 part.store(sApe[(None, kk[i], h, cvw)].load())
             for v in cutlass.range_constexpr(VEC):
-                x = cutlass.select_(ok[i], sc[v] + ap[v], ninf)
+                x = self._pick(ok[i], sc[v] + ap[v], ninf)
                 lg[i * VEC + v] = x
                 mloc[v] = cute.arch.fmax(mloc[v], x, nan=True)
         m_c = self._cross(self._scatter(mloc, lane, True), sRed, 0, lane, cvw, wp, col, True)
@@ -431,7 +448,7 @@ class _Streaming:
                     e = cute.math.exp(lg[i * VEC + v] - m[v]) * scale
                 lg[i * VEC + v] = e
                 sloc[v] = sloc[v] + e
-                x = cutlass.select_(ok[i], kv[v], zero)
+                x = self._pick(ok[i], kv[v], zero)
                 if const_expr(self.bwd):
                     x = g[v] * x  # the reference's g * v (its overflow pattern included)
                 if const_expr(self.wpad > self.w):
@@ -455,7 +472,7 @@ class _Streaming:
                     p = lg[i * VEC + v] * rs[v]
                     gv[v] = p * g[v]
                     gl[v] = p * (g[v] * kv[v] - dot[v])
-                    gacc[i * VEC + v] = gacc[i * VEC + v] + cutlass.select_(ok[i], gl[v], zero)
+                    gacc[i * VEC + v] = gacc[i * VEC + v] + self._pick(ok[i], gl[v], zero)
                 # Gradients go back into the tile slots this lane read, then out coalesced.
                 self._store(sTile[(None, ph[i], kk[i], 1, st)], gv)
                 self._store(sTile[(None, ph[i], kk[i], 0, st)], gl)

@@ -164,16 +164,19 @@ def test_matches_reference_and_oracle(spec, dtype):
 
 
 @pytest.mark.parametrize("groups", (1, 3, 1000))
-def test_any_launch_plan(groups):
+@pytest.mark.parametrize("lean", (0, 1))
+def test_any_launch_plan(groups, lean):
     # One CTA per column block walks every row (deep pipeline, full row table), or more CTAs
     # than rows (idle CTAs still write their grad_ape partials).
     spec = PackSpec((128 * 200 + 5, 300, 0), ratio=128, coff=2, head_dim=128, extra_rows=7)
     pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=12)
-    _compare(pack, _grad_out(spec.capacity, 128, torch.bfloat16), torch.bfloat16, groups)
+    _compare(pack, _grad_out(spec.capacity, 128, torch.bfloat16), torch.bfloat16, groups,
+             lean=lean)
 
 
 @pytest.mark.parametrize("knobs", [{"cv": 4}, {"cv": 8}, {"cv": 4, "ctas": 3},
-                                   {"fast_exp": 1}, {"fast_exp": 0}], ids=str)
+                                   {"fast_exp": 1}, {"fast_exp": 0}, {"lean": 1},
+                                   {"lean": 1, "cv": 4}], ids=str)
 @pytest.mark.parametrize("coff", (1, 2))
 def test_autotune_variants(coff, knobs):
     # Every key the timing script may pick must be exact too, in both directions.
