@@ -3,6 +3,11 @@ breaks, static/dynamic shapes, total_comp=None, and the Compressor module."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -35,11 +40,15 @@ def _run(fn, pack, grad_out, total_comp):
     return [out.detach(), *grads]
 
 
+def _max_abs(t) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def _assert_matches_eager(actual, pack, grad_out, total_comp):
     expected = op_forward_backward(pack, grad_out, total_comp)
     # Inductor may generate its own kernel for the op (lowering/): same math, and up to
     # summation order the same roundings.
-    scale = float(pack.kv.abs().max()) * max(float(grad_out.abs().max()), 1.0)
+    scale = max(_max_abs(pack.kv), 1.0) * max(_max_abs(grad_out), 1.0)
     rows = max(pack.rows(total_comp), 1)
     for name, a, e in zip(NAMES, actual, expected):
         assert a.shape == e.shape and a.dtype == e.dtype, name
@@ -186,3 +195,81 @@ def test_compressor_module_eager_compiled_reference(ratio, coff, total_comp, low
         independent = torch.nn.functional.rms_norm(pooled, (16,), module.norm.weight,
                                                    module.norm.eps)
     torch.testing.assert_close(eager_out, independent, rtol=1e-5, atol=1e-5)
+
+
+DEGENERATE = {
+    "B0": PackSpec((), 4, 2, 3, extra_tokens=2, extra_rows=2),
+    "zero_tokens": PackSpec((0,), 2, 1, 4, extra_rows=1),
+    "tokens_but_zero_rows": PackSpec((3, 1), 4, 2, 2, extra_tokens=1),
+}
+DEGENERATE_RUNS = [(case, tc) for case in DEGENERATE for tc in ("capacity", None)]
+# One dynamic graph, first traced on a normal pack, then fed degenerate ones: sizes that are
+# zero at run time but not at trace time.
+DYNAMIC_SEQUENCE = (
+    PackSpec((9, 3, 5), 4, 2, 2, extra_tokens=2, extra_rows=1),
+    PackSpec((0, 0, 0), 4, 2, 2, extra_rows=3),
+    PackSpec((3, 1, 2), 4, 2, 2, extra_tokens=1, extra_rows=2),
+    PackSpec((0, 0, 0), 4, 2, 2, extra_tokens=7),
+)
+
+
+def _compile_and_compare(spec, total_comp, compiled=None):
+    pack = make_pack(spec)
+    grad_out = pack.grad_out(total_comp)
+    compiled = compiled or torch.compile(_forward, fullgraph=True)
+    actual = _run(compiled, pack, grad_out, total_comp)
+    _assert_matches_eager(actual, pack, grad_out, total_comp)
+
+
+@pytest.mark.parametrize("case, total_comp", DEGENERATE_RUNS)
+@pytest.mark.parametrize("lowering_mode", ["extern"], indirect=True)
+def test_compile_degenerate_packs_extern(case, total_comp, lowering_mode, compile_env):
+    _compile_and_compare(DEGENERATE[case], total_comp)
+
+
+@pytest.mark.parametrize("total_comp", ["capacity", None], ids=["capacity", "true_count"])
+@pytest.mark.parametrize("lowering_mode", ["extern"], indirect=True)
+def test_dynamic_graph_fed_degenerate_packs_extern(total_comp, lowering_mode, compile_env):
+    compiled = torch.compile(_forward, fullgraph=True, dynamic=True)
+    for spec in DYNAMIC_SEQUENCE:
+        _compile_and_compare(spec, total_comp, compiled)
+
+
+# Generated C++ takes seconds per graph: the static cases most likely to go out of bounds.
+GENERATED_RUNS = [("B0", "capacity"), ("zero_tokens", None), ("tokens_but_zero_rows", None)]
+
+
+def _run_in_child(body: str, tmp_path):
+    """Run test code in a child process, so a crash (an out-of-bounds read in generated
+    code) fails the calling test instead of killing the whole run."""
+    script = (
+        "import sys, torch, csa_ops\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}]\n"
+        "import test_op_compile as t\n"
+        "torch._inductor.config.force_disable_caches = True\n"
+        "csa_ops.lowering.set_mode('generate')\n" + body
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=540, check=False)
+    last = [line for line in result.stdout.splitlines() if line.startswith("start")][-1:]
+    assert result.returncode == 0, (f"exit {result.returncode} during {last}: "
+                                    f"{result.stderr[-2000:]}")
+
+
+def test_compile_degenerate_packs_generated(tmp_path):
+    _run_in_child(
+        "for case, tc in t.GENERATED_RUNS:\n"
+        "    print('start', case, tc, flush=True)\n"
+        "    torch._dynamo.reset()\n"
+        "    t._compile_and_compare(t.DEGENERATE[case], tc)\n", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("total_comp", ["'capacity'", "None"], ids=["capacity", "true_count"])
+def test_dynamic_graph_fed_degenerate_packs_generated(total_comp, tmp_path):
+    _run_in_child(
+        "compiled = torch.compile(t._forward, fullgraph=True, dynamic=True)\n"
+        "for i, spec in enumerate(t.DYNAMIC_SEQUENCE):\n"
+        f"    print('start', i, {total_comp}, flush=True)\n"
+        f"    t._compile_and_compare(spec, {total_comp}, compiled)\n", tmp_path)
