@@ -79,7 +79,9 @@ def supports(key: KernelKey) -> bool:
     if key.family != "streaming" or key.dtype not in ("bfloat16", "float16"):
         return False
     cv, wpc, kt = (key.knob(n, 0) for n in ("cv", "wpc", "kt"))
-    if min(cv, wpc, kt) < 1 or kt > MAX_KT or key.threads != 32 * cv * wpc or key.knob("stages", 1) < 2:
+    if min(cv, wpc, kt) < 1 or kt > MAX_KT or key.threads != 32 * cv * wpc:
+        return False
+    if key.knob("stages", 1) < 2:  # the loop waits for row j while row j+1 is in flight
         return False
     if key.threads > 1024 or 32 * wpc * kt < key.window or 32 % key.vec:
         return False
@@ -225,8 +227,9 @@ class _Streaming:
     @cute.jit
     def _row_info(self, n, mCu, mCuc, num_tokens, num_segs):
         """(first window token, flags) of row n; flag bit 0: a real row (n < cuc[-1]), bit 1:
-        its block has a previous block, bit 2: every window entry exists. Segment: how many of cuc[1:] are <= n, as the
-        reference searches; every index is clamped into the offsets, so any content is safe."""
+        its block has a previous block, bit 2: every window entry exists. Segment: how many
+        of cuc[1:] are <= n, as the reference searches; every index read lies inside the
+        offsets, so any content is safe."""
         lo = Int32(0)
         hi = num_segs
         c_lo = mCuc[0]
