@@ -63,7 +63,8 @@ def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, 
     validation.check_grad_out(grad_out, kv, head_dim)
     grad_out, kv, score, ape = _contiguous(grad_out, kv, score, ape)
     if kv.device.type == "cpu":
-        validation.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], ratio, grad_out.shape[0])
+        validation.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], ratio, grad_out.shape[0],
+                                 rows_name="`grad_out` row count")
     return reference.compressor_backward_reference(grad_out, kv, score, ape, cu_seqlens,
                                                    cu_seqlens_comp, ratio, coff)
 

@@ -98,8 +98,12 @@ def check_grad_out(grad_out, kv, head_dim: int) -> None:
         _fail(f"`grad_out` has {grad_out.shape[0] * head_dim} elements, which overflows int32")
 
 
-def check_offsets(cu_seqlens, cu_seqlens_comp, num_tokens: int, ratio: int, total_comp=None):
-    """Content checks of the offsets (host-side tensors only); return the true row count."""
+def check_offsets(cu_seqlens, cu_seqlens_comp, num_tokens: int, ratio: int, total_comp=None,
+                  rows_name: str = "`total_comp`"):
+    """Content checks of the offsets (host-side tensors only); return the true row count.
+
+    ``rows_name`` names where the row capacity came from (the backward has no total_comp).
+    """
     cu = cu_seqlens.tolist()
     cuc = cu_seqlens_comp.tolist()
     if cu[0] != 0:
@@ -117,6 +121,6 @@ def check_offsets(cu_seqlens, cu_seqlens_comp, num_tokens: int, ratio: int, tota
     if cu[-1] > num_tokens:
         _fail(f"`cu_seqlens[-1]` = {cu[-1]} exceeds the number of tokens T = {num_tokens}")
     if total_comp is not None and total_comp < cuc[-1]:
-        _fail(f"`total_comp` = {total_comp} is smaller than the true row count "
+        _fail(f"{rows_name} = {total_comp} is smaller than the true row count "
               f"cu_seqlens_comp[-1] = {cuc[-1]}")
     return cuc[-1]

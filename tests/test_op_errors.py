@@ -198,7 +198,7 @@ grad_out_width: ValueError: csa.compressor: `grad_out` must be 2-D (rows, head_d
 grad_out_rank_1: ValueError: csa.compressor: `grad_out` must be 2-D (rows, head_dim=3), got (6,)
 grad_out_dtype: ValueError: csa.compressor: `grad_out` must have the dtype of `kv` (torch.float32), got torch.float64
 grad_out_device: ValueError: csa.compressor: `grad_out` must be on the device of `kv` (cpu), got meta
-grad_out_fewer_rows_than_true_count: ValueError: csa.compressor: `total_comp` = 4 is smaller than the true row count cu_seqlens_comp[-1] = 5
+grad_out_fewer_rows_than_true_count: ValueError: csa.compressor: `grad_out` row count = 4 is smaller than the true row count cu_seqlens_comp[-1] = 5
 backward_kv_dtype: ValueError: csa.compressor: `kv` must be one of bfloat16, float16, float32, float64, got torch.int64
 backward_ratio_zero: ValueError: csa.compressor: `ratio` must be an int >= 1, got 0
 backward_cuc_not_len_over_ratio: ValueError: csa.compressor: `cu_seqlens_comp` must count len // ratio rows per segment: segment 2 has 5 tokens, so 2 rows at ratio 2, got 3""")
