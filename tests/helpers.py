@@ -235,3 +235,22 @@ def assert_bitwise_equal(actual, expected, name=""):
 
 def tokens_beyond_cu(pack: Pack) -> slice:
     return slice(int(pack.cu_seqlens[-1]), pack.kv.shape[0])
+
+
+def unconsumed_mask(spec: PackSpec) -> torch.Tensor:
+    """(T, coff*d) bool: input elements that feed no window (tails, short segments, the
+    first half of each segment's last block, tokens beyond cu_seqlens[-1])."""
+    width = spec.coff * spec.head_dim
+    mask = torch.ones(spec.num_tokens, width, dtype=torch.bool)
+    start = 0
+    for length in spec.lengths:
+        blocks = length // spec.ratio
+        used = slice(start, start + blocks * spec.ratio)
+        if spec.coff == 1:
+            mask[used] = False
+        else:
+            mask[used, spec.head_dim:] = False
+            # First halves feed the next block: every block but the last one.
+            mask[start:start + max(blocks - 1, 0) * spec.ratio, :spec.head_dim] = False
+        start += length
+    return mask

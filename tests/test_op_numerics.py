@@ -25,6 +25,7 @@ from helpers import (
     sum_tolerance,
     tokens_beyond_cu,
     ulp,
+    unconsumed_mask,
     window,
 )
 
@@ -135,6 +136,23 @@ def test_padding_rows_are_zero_and_ignore_their_grads(spec):
         poisoned[true_rows] = 1e30
     _, *poisoned_grads = op_forward_backward(pack, poisoned)
     for name, a, b in zip(NAMES[1:], grads, poisoned_grads):
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("spec", spec_params(MATRIX))
+def test_unconsumed_inputs_get_zero_grads_and_cannot_poison(spec):
+    pack = make_pack(spec)
+    grad_out = pack.grad_out()
+    clean = op_forward_backward(pack, grad_out)
+    unused = unconsumed_mask(spec)
+    for grad in clean[1:3]:
+        assert bool((grad[unused] == 0).all())
+    pack.kv.data[unused] = float("nan")
+    pack.score.data[unused] = float("inf")
+    poisoned = op_forward_backward(pack, grad_out)
+    for name, a, b in zip(NAMES, clean, poisoned):
+        if name in ("grad_kv", "grad_score"):
+            a, b = a[~unused], b[~unused]
         assert_bitwise_equal(b, a, name)
 
 

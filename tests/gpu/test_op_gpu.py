@@ -14,6 +14,7 @@ from helpers import (
     make_pack,
     sum_tolerance,
     ulp,
+    unconsumed_mask,
     window,
 )
 
@@ -157,6 +158,26 @@ def test_nan_prefilled_outputs_are_fully_written(spec, dtype):
     poisoned = _op(pack, grad_out)
     for name, a, b in zip(("out", "grad_kv", "grad_score", "grad_ape"), clean, poisoned):
         assert not bool(torch.isnan(b).any()), name
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("spec, dtype", PARAMS)
+def test_unread_inputs_and_padding_grads_cannot_poison(spec, dtype):
+    """NaN/Inf in elements no window consumes (tails, short segments, last blocks' first
+    halves, tokens past cu[-1]) and NaN grad_out on padding rows change nothing."""
+    pack = _cuda_pack(spec, dtype)
+    grad_out = pack.grad_out()
+    clean = _op(pack, grad_out)
+    unused = unconsumed_mask(spec).cuda()
+    assert torch.count_nonzero(clean[1][unused]) == 0
+    assert torch.count_nonzero(clean[2][unused]) == 0
+    pack.kv[unused] = float("nan")
+    pack.score[unused] = float("inf")
+    grad_out[spec.true_rows:] = float("nan")
+    poisoned = _op(pack, grad_out)
+    for name, a, b in zip(("out", "grad_kv", "grad_score", "grad_ape"), clean, poisoned):
+        if name in ("grad_kv", "grad_score"):
+            a, b = a[~unused], b[~unused]
         assert_bitwise_equal(b, a, name)
 
 
