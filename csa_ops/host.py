@@ -46,6 +46,7 @@ class KernelFamily(Protocol):
     plan_backward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
         Grid size and fp32 workspace elements. Workspace content is undefined on entry; a
         family that needs it zeroed zeroes it inside its own launches (CUDA-graph safe).
+        With workspace 0 the workspace argument is some other fp32 tensor: never access it.
     """
 
     def configure(
