@@ -109,6 +109,23 @@ def test_export_with_dynamic_token_count(tokens):
         assert torch.equal(exported.module()(x2, cu2, cuc2), model(x2, cu2, cuc2))
 
 
+@pytest.mark.parametrize("total_comp", [6, None], ids=["capacity", "true_count"])
+def test_export_compressor_module(total_comp):
+    torch.manual_seed(0)
+    model = csa_ops.Compressor(dim=16, head_dim=8, ratio=4, coff=2).eval()
+    cu, cuc = csa_ops.offsets_for((13, 0, 6), 4)
+    x = torch.randn(21, 16)
+    args = (x, cu, cuc) if total_comp is None else (x, cu, cuc, total_comp)
+    exported = torch.export.export(model, args)
+    assert _count_op(exported.graph_module, FORWARD) == 1
+    # Same shapes, different offsets: with None the row count follows the data (4 -> 5).
+    cu2, cuc2 = csa_ops.offsets_for((8, 4, 9), 4)
+    with torch.no_grad():
+        for offsets in ((cu, cuc), (cu2, cuc2)):
+            call = (x, *offsets) + args[3:]
+            assert torch.equal(exported.module()(*call), model(*call))
+
+
 class TestSchemas(expecttest.TestCase):
     def test_forward_schema(self):
         self.assertExpectedInline(str(FORWARD._schema), """\
