@@ -150,6 +150,9 @@ def test_concurrent_first_calls_compile_once():
     ape = torch.randn(ratio, coff * head_dim, device="cuda")
     cu, cuc = offsets_for([120, 80], ratio, "cuda")
     expected = reference.compressor_reference(kv, kv, ape, cu, cuc, ratio, coff, 40)
+    from csa_ops import host
+
+    misses_before = host.cache_info()["misses"]
     results, errors = [], []
 
     def worker():
@@ -164,6 +167,7 @@ def test_concurrent_first_calls_compile_once():
     for thread in threads:
         thread.join()
     assert not errors
+    assert host.cache_info()["misses"] - misses_before == 1  # one forward compile for 6 threads
     for out in results:
         torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
         assert torch.equal(out, results[0])
