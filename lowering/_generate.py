@@ -158,7 +158,8 @@ def entry(p: Problem, row: Row, krow, half, j):
             # half == 1 or block > 0 (block >= 0 on valid rows); one compare, no or_ (the
             # C++ vectorizer cannot or a vector mask with a scalar bool).
             valid = ops.and_(valid, ops.gt(ops.add(row.block, _index(half)), _const(0)))
-    t = ops.indirect_indexing(ops.where(valid, token, _const(0)), p.tokens, check=False, wrap_neg=False)
+    t = ops.indirect_indexing(ops.where(valid, token, _const(0)), p.tokens, check=False,
+                              wrap_neg=False)
     col = half * p.head_dim + j
     logit = ops.add(ops.to_dtype(p.score([t, col]), p.acc),
                     ops.to_dtype(p.ape([krow, col]), p.acc))
@@ -307,7 +308,6 @@ def _token_grads(p: Problem, stats, grad, rows):
     def consumer(idx):
         t, c = idx
         half = FloorDiv(c, p.head_dim) if p.coff == 2 else 0
-        j = ModularIndexing(c, 1, p.head_dim) if p.coff == 2 else c
         s = _segment(p, tok_seg, t)
         start = _i64(p.cuc([s]))
         local = ops.sub(_index(t), _i64(p.cu([s])))
@@ -316,21 +316,31 @@ def _token_grads(p: Problem, stats, grad, rows):
         if p.coff == 2:
             # First-half columns of a token feed the next block's window.
             block = ops.add(block, ops.sub(_const(1), _index(half)))
-        krow = ops.remainder(safe, _const(p.ratio))
         n = ops.add(start, block)
-        valid = ops.and_(ops.ge(local, _const(0)),
-                         ops.and_(ops.lt(n, _i64(p.cuc([s + 1]))), ops.lt(n, _index(rows))))
-        n = ops.indirect_indexing(ops.where(valid, n, _const(0)), rows, check=False, wrap_neg=False)
-        kr = ops.indirect_indexing(krow, p.ratio, check=False, wrap_neg=False)
-        logit = ops.add(ops.to_dtype(p.score([t, c]), p.acc), ops.to_dtype(p.ape([kr, c]), p.acc))
-        value = ops.to_dtype(p.kv([t, c]), p.acc)
-        return valid, _grad_entry(p, stats, grad, n, j, logit, value)
+        in_row = ops.and_(ops.lt(n, _i64(p.cuc([s + 1]))), ops.lt(n, _index(rows)))
+        valid = ops.and_(ops.and_(ops.ge(local, _const(0)), ops.ge(n, _const(0))), in_row)
+        return valid, n, ops.remainder(safe, _const(p.ratio))
 
     def make(which):
         def inner(idx):
-            valid, grads = consumer(idx)
-            return ops.to_dtype(ops.where(valid, grads[which], ops.constant(0.0, p.acc)),
-                                p.dtype)
+            t, c = idx
+
+            def grads():
+                # Masked: rows may be 0 at run time (an unbacked count), so nothing indexed by
+                # the row is read unless an entry really consumes this element. A masked body
+                # is its own subgraph: it recomputes the (cheap) index math.
+                valid, n, krow = consumer(idx)
+                row = ops.indirect_indexing(ops.where(valid, n, _const(0)), rows, check=False,
+                                            wrap_neg=False)
+                kr = ops.indirect_indexing(krow, p.ratio, check=False, wrap_neg=False)
+                j = ModularIndexing(c, 1, p.head_dim) if p.coff == 2 else c
+                logit = ops.add(ops.to_dtype(p.score([t, c]), p.acc),
+                                ops.to_dtype(p.ape([kr, c]), p.acc))
+                value = ops.to_dtype(p.kv([t, c]), p.acc)
+                return _grad_entry(p, stats, grad, row, j, logit, value)[which]
+
+            return ops.to_dtype(ops.masked(consumer(idx)[0], grads, 0.0), p.dtype)
+
         return ir.Pointwise.create(device=p.device, dtype=p.dtype, inner_fn=inner,
                                    ranges=[p.tokens, p.coff * p.head_dim])
 

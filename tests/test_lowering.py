@@ -280,6 +280,19 @@ def test_data_dependent_rows_and_dynamic_shapes(no_caches):
     assert counter.frame_count == 1
 
 
+def test_all_segments_short_data_dependent(no_caches):
+    """total_comp=None with no full block anywhere: zero rows at run time, and the backward's
+    row-indexed reads (masked) never touch the empty grad_out."""
+    pack = make_pack(PackSpec((3, 0, 2), ratio=4, coff=2, head_dim=5, extra_tokens=2))
+    grad_out = pack.grad_out(total_comp=None)
+    with lowering_mode("generate"):
+        out, grad_kv, grad_score, grad_ape = torch.compile(_fwd_bwd, fullgraph=True)(
+            grad_out, *pack.args(total_comp=None))
+    assert out.shape == (0, 5)
+    for grad in (grad_kv, grad_score, grad_ape):
+        assert torch.count_nonzero(grad) == 0
+
+
 def test_no_stale_code_across_modes():
     """With caches on, code compiled under one mode is never served under another."""
 
