@@ -1,11 +1,12 @@
 """Register-window compressor kernels: the whole coff*ratio window of a row lives in registers.
 
 Thread = (output row, vector of `vec` columns); a CTA is rows x column-vectors with ~128
-contiguous bytes per row. Forward: one pass, padding and invalid rows written as zeros.
-Backward: a grid-stride loop over "slots"; slot i is row i (its window's grads, disjoint
-stores) plus token chunk [i*ratio, (i+1)*ratio), whose never-consumed elements it zeroes.
-grad_ape: per-thread fp32 partials in registers, a fixed-order CTA reduction to one partial
-per CTA in the workspace, then a second kernel that sums the partials in a fixed order.
+contiguous bytes per row; ape is staged once per CTA in shared memory. Arithmetic follows the
+reference op by op (pinned roundings, libdevice expf, division exact via Markstein).
+Forward: one pass, padding/invalid rows written as zeros. Backward: a grid-stride loop over
+slots; slot i is row i (window grads, disjoint stores) plus token chunk [i*R, (i+1)*R), whose
+never-consumed elements it zeroes. grad_ape: per-thread fp32 partials in shared memory, a
+fixed-order CTA sum into the workspace, then a kernel summing those in a fixed order.
 """
 
 from __future__ import annotations
