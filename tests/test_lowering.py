@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import unittest
 
 import expecttest
 import pytest
@@ -337,6 +338,12 @@ def _inductor_graphs(fn, *args):
     return graphs, codes
 
 
+# Generated code and graph text differ between torch versions (LOWERING.md Q5): pinned on 2.13.
+PINNED_TORCH = "2.13"
+
+
+@unittest.skipUnless(torch.__version__.startswith(PINNED_TORCH + "."),
+                     f"pins are recorded on torch {PINNED_TORCH}")
 class TestPins(expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
