@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from csa_ops import config, host
+from csa_ops import config, host, reference
 
 SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
     (1, 8192, 128, 4, 2),
@@ -90,8 +90,22 @@ def _host_time(fn, s, calls=200) -> float:
     return elapsed * 1e6 / calls
 
 
+def _verdict(backward: bool, got, s, ratio, coff) -> str:
+    """The key's outputs against the same-GPU reference: grads bitwise, forward one step."""
+    kv, score, ape, cu, cuc, rows, grad_out = s
+    if backward:
+        want = reference.compressor_backward_reference(grad_out, kv, score, ape, cu, cuc,
+                                                       ratio, coff)
+        exact = all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
+        return "bitwise" if exact else "GRAD MISMATCH"
+    want = reference.compressor_reference(kv, score, ape, cu, cuc, ratio, coff, rows)
+    step = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(1e-3)
+    off = ((got.float() - want.float()).abs() > step).sum().item()
+    return "ok" if off <= max(1, want.numel() // 1000) else f"FWD MISMATCH ({off} elements)"
+
+
 def _sweep(ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
-    """Times every enumerated window key (vector width, CTA size, knobs); default restored."""
+    """Times and checks every enumerated window key (vector width, CTA size, knobs)."""
     arch = host.device_arch()
     for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
         base = host.select_key(ratio, coff, d, dtype_name, arch, backward)
@@ -100,9 +114,10 @@ def _sweep(ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> N
         for key in config.enumerate_window_keys(ratio, coff, d, dtype_name, arch, backward):
             host.set_key(key, backward)
             host.precompile(ratio, d, coff, dtype)
+            verdict = _verdict(backward, fn(sets[0]), sets[0], ratio, coff)
             t = _graph_time(fn, sets)
             print(f"  {'bwd' if backward else 'fwd'} vec={key.vec} threads={key.threads} "
-                  f"{dict(key.knobs)}: {t:.2f} us (default {t_default:.2f})")
+                  f"{dict(key.knobs)}: {t:.2f} us (default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
 
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One H200 call: every GPU test, kernel timings and sweep, host overhead, the bench.
+# Usage on the device machine (after the README's DSL unpack): bash tests/gpu/run_h200.sh
+# Logs land under $OUT; each stage has its own time limit so one slow stage cannot
+# starve the rest.
+set -u
+OUT=${OUT:-/tmp/csa-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# At most 8 files come back: summary, four logs, the bench's json/md/png.
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/summary.txt"
+python3 -c "import torch, cutlass; print(torch.__version__, torch.version.cuda, cutlass.__version__)" \
+  >> "$OUT/summary.txt" 2>&1
+stage() {  # stage NAME LOG SECONDS COMMAND...
+  local name=$1 log=$2 limit=$3; shift 3
+  echo "=== $name" | tee -a "$OUT/summary.txt"
+  timeout "$limit" "$@" >> "$OUT/$log.log" 2>&1
+  echo "rc=$? $(tail -n 3 "$OUT/$log.log" | tr '\n' ' ' | cut -c1-400)" | tee -a "$OUT/summary.txt"
+}
+stage tests tests "${T_TESTS:-170}" python3 -m pytest -q -p no:cacheprovider -rfE \
+  tests/gpu/test_kernels_window.py tests/gpu/test_kernels_streaming.py \
+  tests/gpu/test_op_gpu.py tests/gpu/test_graphs.py
+stage overhead timing 30 python3 tests/gpu/time_overhead.py
+stage sweep timing "${T_SWEEP:-60}" python3 tests/gpu/time_kernels.py --sweep --only "1x8192 d128 r4 c2"
+stage bench bench "${T_BENCH:-170}" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
+  --out "$OUT/bench" --shapes "${BENCH_SHAPES:-r4c2_1x8192_d128,r4c2_3x8192_d512,r128c2_1x131072_d512}" \
+  --skip "[extern],[generate],+RMSNorm"
+stage lowering lowering "${T_LOWERING:-80}" python3 -m pytest -q -p no:cacheprovider -rfE \
+  tests/gpu/test_lowering_gpu.py
+cat "$OUT/summary.txt"
