@@ -302,9 +302,15 @@ def _launch_args(direction: str, key: KernelKey, plan: LaunchPlan, args: list, s
 
 
 def _launch(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes: list) -> None:
-    stream = torch.cuda.current_stream(args[0][0].device).cuda_stream
+    device = args[0][0].device
+    stream = torch.cuda.current_stream(device).cuda_stream
     compiled, call_args = _launch_args(direction, key, plan, args, sizes, stream)
-    compiled(*call_args)
+    if device.index is None or device.index == torch.cuda.current_device():
+        compiled(*call_args)
+        return
+    # The DSL launches into the current context: make it the tensors' device for this call.
+    with torch.cuda.device(device):
+        compiled(*call_args)
 
 
 def compressor_forward(
