@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 from helpers import (
+    EPS,
     PackSpec,
     eager_compressor,
     make_pack,
@@ -143,6 +144,27 @@ def test_compile_with_following_ops_and_bf16(lowering_mode, compile_env):
     for name, a, e in zip(NAMES[1:], grads, eager_grads):
         # bf16 gradients: one rounding step apart at most where Inductor reorders fp32 math.
         torch.testing.assert_close(a, e, rtol=2**-7, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("dtype, ape_dtype", [
+    pytest.param(torch.float16, torch.float32, id="fp16"),
+    pytest.param(torch.float64, torch.float64, id="fp64_ape_fp64"),
+    pytest.param(torch.float64, torch.float32, id="fp64_ape_fp32"),
+])
+@pytest.mark.parametrize("lowering_mode", ["generate"], indirect=True)
+def test_generated_code_for_every_accepted_dtype(dtype, ape_dtype, lowering_mode, compile_env):
+    """Every dtype combination the op accepts must compile to generated code too (auto mode
+    silently falls back to the extern op when generation fails, so force it here)."""
+    pack = make_pack(PackSpec((9, 3, 0, 17), 4, 2, 5, extra_tokens=2, extra_rows=2), dtype,
+                     ape_dtype=ape_dtype)
+    grad_out = pack.grad_out()
+    actual = _run(torch.compile(_forward, fullgraph=True), pack, grad_out, "capacity")
+    expected = op_forward_backward(pack, grad_out)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert a.dtype == e.dtype, name
+        step = EPS[a.dtype] * max(float(e.abs().max()), 1.0)
+        torch.testing.assert_close(a, e, rtol=0, atol=2 * step + 1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _module_reference(module, x, cu_seqlens, cu_seqlens_comp, total_comp):
