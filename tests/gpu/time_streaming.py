@@ -15,6 +15,7 @@ import torch
 
 from csa_ops import host
 from csa_ops.kernels import streaming
+from time_kernels import copy_bandwidth  # same folder: the one copy-bandwidth probe
 
 SHAPES = (  # (tokens, head_dim, ratio, coff)
     (65536, 128, 128, 1),
@@ -27,20 +28,6 @@ SHAPES = (  # (tokens, head_dim, ratio, coff)
     (131072, 512, 128, 2),
 )
 L2_BYTES = 60 * 2**20
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
 
 
 class Launch:
