@@ -100,6 +100,19 @@ def test_compile_forward_backward_fullgraph(spec, dynamic, total_comp, lowering_
         assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("lowering_mode", ["extern"], indirect=True)
+def test_new_static_capacity_recompiles_once_then_stays_symbolic(lowering_mode, compile_env):
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(_forward, backend=counter, fullgraph=True)
+    pack = make_pack(R4C2)
+    with torch.no_grad():
+        for capacity in (pack.spec.true_rows, pack.spec.true_rows + 3, pack.spec.true_rows + 9,
+                         pack.spec.true_rows + 20):
+            out = compiled(*pack.args(capacity))
+            assert torch.equal(out, torch.ops.csa.compressor(*pack.args(capacity)))
+    assert counter.frame_count == 2
+
+
 @pytest.mark.parametrize("total_comp", ["capacity", None], ids=["capacity", "true_count"])
 def test_no_graph_breaks_without_fullgraph(total_comp, compile_env):
     """Without fullgraph a break would be tolerated silently: count them instead. The None
