@@ -103,10 +103,28 @@ def zeros(p: Problem, size, dtype):
 # Where rows and tokens sit in the pack
 
 
+# Packs of at most this many segments (static shapes) find a segment by an unrolled
+# comparison count inside the consuming kernel instead of a separate map kernel.
+INLINE_SEGMENTS_MAX = 16
+
+
 def _segment_map(p: Problem, bounds, positions):
-    """seg[x] = #{s in 1..B : bounds[s] <= x}, the reference's searchsorted(right=True) before
-    its clamp. A comparison count (one small kernel, positions x B) because Inductor's
-    bucketize is not implemented on CPU."""
+    """Loader of seg[x] = #{s in 1..B : bounds[s] <= x}, the reference's
+    searchsorted(right=True) before its clamp. A comparison count because Inductor's bucketize
+    is not implemented on CPU: unrolled in the consumer for a few static segments, else one
+    small (positions x B) reduction kernel."""
+    static = sympy.sympify(p.segments)
+    if static.is_number and int(static) <= INLINE_SEGMENTS_MAX:
+        segments = int(static)
+
+        def inline(idx):
+            x = _index(idx[0])
+            count = _const(0)
+            for s in range(1, segments + 1):
+                count = ops.add(count, _i64(ops.le(_i64(bounds([s])), x)))
+            return count
+
+        return inline
 
     def inner(idx, ridx):
         bound = _i64(bounds([ridx[0] + 1]))

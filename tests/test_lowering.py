@@ -372,7 +372,6 @@ class <lambda>(torch.nn.Module):
 """)
         self.assertExpectedInline(digest(code), """\
 kernel cpp_fused_compressor_relu_0
-buffer (u0, ) int32
 buffer (u0, 4) float32""")
 
     def test_pin_block_forward_backward(self):
@@ -384,22 +383,19 @@ buffer (u0, 4) float32""")
 kernel cpp_fused_add_compressor_mean_mul_pow_rsqrt_0
 buffer (46, 64) float32
 buffer (46, 64) float32
-buffer (13, ) int32
 buffer (13, 32) float32
 buffer (13, 1) float32
 buffer (13, 32) float32
 ---
 kernel cpp_fused_add_compressor_backward_div_expand_mul_pow_sum_0
 buffer (1, 32) float32
-buffer (13, ) int32
 buffer (13, 1) float32
 buffer (13, 32) float32
 buffer (13, 32) float32
 buffer (13, 32) float32
-buffer (46, ) int32
-buffer (46, 64) float32
-buffer (46, 64) float32
 buffer (4, 64) float32
+buffer (46, 64) float32
+buffer (46, 64) float32
 buffer (64, 16) float32
 buffer (46, 16) float32
 buffer (64, 16) float32
