@@ -20,6 +20,7 @@ from helpers import (
     eager_compressor,
     eager_forward_backward,
     make_pack,
+    offsets,
     op_forward_backward,
     spec_params,
     sum_tolerance,
@@ -29,6 +30,7 @@ from helpers import (
     window,
 )
 
+import csa_ops
 from csa_ops import reference
 
 NAMES = ("out", "grad_kv", "grad_score", "grad_ape")
@@ -293,3 +295,15 @@ def test_random_packs_match_eager_fp64(spec, total_comp):
     expected = eager_forward_backward(pack, grad_out, total_comp)
     for name, a, e in zip(NAMES, actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("lengths", [(), (0,), (5, 0, 3, 9), (4096, 1, 127)])
+def test_offsets_for_and_public_wrapper(lengths):
+    ratio = 4
+    cu, cuc = csa_ops.offsets_for(lengths, ratio)
+    expected_cu, expected_cuc = offsets(lengths, ratio)
+    assert_bitwise_equal(cu, expected_cu, "cu_seqlens")
+    assert_bitwise_equal(cuc, expected_cuc, "cu_seqlens_comp")
+    pack = make_pack(PackSpec(lengths, ratio, 2, 3, extra_rows=1))
+    wrapped = csa_ops.compressor(*pack.tensors(), ratio=ratio, coff=2, total_comp=None)
+    assert_bitwise_equal(wrapped, torch.ops.csa.compressor(*pack.args(None)), "out")
