@@ -307,3 +307,22 @@ def test_offsets_for_and_public_wrapper(lengths):
     pack = make_pack(PackSpec(lengths, ratio, 2, 3, extra_rows=1))
     wrapped = csa_ops.compressor(*pack.tensors(), ratio=ratio, coff=2, total_comp=None)
     assert_bitwise_equal(wrapped, torch.ops.csa.compressor(*pack.args(None)), "out")
+
+
+def test_autograd_saves_only_the_inputs():
+    """SPEC 2: the forward saves its inputs, never (rows, window, d) probabilities."""
+    pack = make_pack(MATRIX[6])
+    kv, score, ape = pack.leaves()
+    saved = []
+
+    def pack_hook(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor):
+        out = torch.ops.csa.compressor(kv, score, ape, *pack.args()[3:])
+    inputs = (kv, score, ape, pack.cu_seqlens, pack.cu_seqlens_comp)
+    assert len(saved) == len(inputs)
+    for tensor, expected in zip(saved, inputs):
+        assert tensor.data_ptr() == expected.data_ptr() and tensor.shape == expected.shape
+    out.sum().backward()
