@@ -257,3 +257,14 @@ def test_compile_fullgraph_matches_eager(spec, dtype, total_comp, compile_env):
     for name, a, e in zip(("grad_kv", "grad_score"), grads[:2], eager_grads[:2]):
         _assert_within_one_step(a, e, name, atol=sum_tolerance(torch.float32, window(pack), scale))
     torch.testing.assert_close(grads[2], eager_grads[2], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("total_comp", ["capacity", None], ids=["capacity", "true_count"])
+@pytest.mark.parametrize("spec, dtype", PARAMS[4:5] + PARAMS[7:8])
+def test_opcheck_on_cuda(spec, dtype, total_comp):
+    pack = _cuda_pack(spec, dtype)
+    leaves = pack.leaves()
+    torch.library.opcheck(torch.ops.csa.compressor.default,
+                          (*leaves, *pack.args(total_comp)[3:]))
+    torch.library.opcheck(torch.ops.csa.compressor_backward.default,
+                          (pack.grad_out(), *pack.args()[:-1]))
