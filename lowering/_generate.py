@@ -382,8 +382,8 @@ def _grad_ape(p: Problem, stats, grad, row_seg, rows, ape_dtype):
     total = ir.Reduction.create(device=p.device, dst_dtype=p.acc, src_dtype=p.acc,
                                 inner_fn=inner, ranges=[p.ratio, width], reduction_ranges=[rows],
                                 reduction_type="sum")
+    total.realize()
     if ape_dtype == p.acc:
-        total.realize()
         return total
     loader = total.make_loader()
     return ir.Pointwise.create(device=p.device, dtype=ape_dtype,
