@@ -52,7 +52,7 @@ def test_precompile_cross_arch(cfg, arch):
 @pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
-    key = window_key(4, 2, 128, "bfloat16", arch, backward)
+    key = window_key(4, 2, 512, "bfloat16", arch, backward)  # vec 8: 16-byte accesses
     text = window.ptx(key, backward)
     assert f".target {arch}" in text
     exps = text.count("ex2.approx.ftz.f32")
@@ -70,10 +70,16 @@ def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
 
 
 def test_wide_windows_trade_vector_width():
-    assert window_key(4, 2, 128, "bfloat16", "sm_90a", True).vec == 8
-    assert window_key(16, 2, 128, "bfloat16", "sm_90a", True).vec == 2
+    assert window_key(4, 2, 512, "bfloat16", "sm_90a", True).vec == 8
+    assert window_key(16, 2, 512, "bfloat16", "sm_90a", True).vec == 2
     assert window_key(1, 1, 7, "bfloat16", "sm_90a", False).vec == 1
-    assert window_key(4, 2, 128, "float32", "sm_90a", False).vec == 4
+    assert window_key(4, 2, 512, "float32", "sm_90a", False).vec == 4
+
+
+def test_narrow_rows_trade_vector_width_for_threads():
+    key = window_key(4, 2, 128, "bfloat16", "sm_90a", False)
+    assert (key.vec, key.threads) == (2, 256)
+    assert window_key(4, 2, 512, "bfloat16", "sm_90a", False).threads == 128
 
 
 def test_key_rejects_bad_values():
