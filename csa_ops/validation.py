@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 OP = "csa.compressor"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -15,8 +15,9 @@ INT32_MAX = 2**31 - 1
 
 
 def _definitely(condition) -> bool:
-    """True only when ``condition`` holds for sure; unbacked sizes are not guarded on."""
-    return guard_or_false(condition)
+    """True only when ``condition`` is provable; symbolic sizes get no guard (so export with
+    an unbounded Dim works), and concrete sizes are checked exactly when the kernel runs."""
+    return statically_known_true(condition)
 
 
 def _fail(message: str, error=ValueError):

@@ -93,8 +93,9 @@ def test_export_module_with_static_capacity(coff):
 
 @pytest.mark.parametrize("tokens", [
     pytest.param(torch.export.Dim.DYNAMIC, id="dim_dynamic"),
-    # A named Dim needs a bound: the int32-offset check guards tokens * width <= 2**31-1.
     pytest.param(torch.export.Dim("tokens", min=2, max=2**20), id="dim_bounded"),
+    # Unbounded: the int32-offset checks must not guard on a symbolic token count.
+    pytest.param(torch.export.Dim("tokens"), id="dim_unbounded"),
 ])
 def test_export_with_dynamic_token_count(tokens):
     torch.manual_seed(0)
