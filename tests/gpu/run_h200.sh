@@ -18,13 +18,15 @@ stage() {  # stage NAME LOG SECONDS COMMAND...
   echo "rc=$? $(tail -n 3 "$OUT/$log.log" | tr '\n' ' ' | cut -c1-400)" | tee -a "$OUT/summary.txt"
 }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
-stage window tests "${T_WINDOW:-60}" $PYTEST tests/gpu/test_kernels_window.py
-if ! grep -q " passed" "$OUT/tests.log" || grep -q -E "[0-9]+ (failed|error)" "$OUT/tests.log"; then
+# The window file JITs many keys: about 2-3 minutes on the H200's host.
+stage window tests "${T_WINDOW:-180}" $PYTEST tests/gpu/test_kernels_window.py
+# Fall back only on reported failures (a stage cut off by its time limit failed nothing).
+if grep -q -E "^FAILED|^ERROR|[0-9]+ (failed|error)" "$OUT/tests.log"; then
   # FALLBACK_DIR holds the last window-family sources that passed on this GPU.
   if [ -n "${FALLBACK_DIR:-}" ]; then
     cp "$FALLBACK_DIR"/window.py "$FALLBACK_DIR"/common.py csa_ops/kernels/
     echo "FALLBACK: window family reverted to $FALLBACK_DIR" | tee -a "$OUT/summary.txt"
-    stage window-fallback tests "${T_WINDOW:-60}" $PYTEST tests/gpu/test_kernels_window.py
+    stage window-fallback tests "${T_WINDOW:-180}" $PYTEST tests/gpu/test_kernels_window.py
   fi
 fi
 stage op-tests tests "${T_TESTS:-150}" $PYTEST tests/gpu/test_kernels_streaming.py \
