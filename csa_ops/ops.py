@@ -59,20 +59,21 @@ def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, t
 @torch.library.custom_op("csa::compressor_backward", mutates_args=(), schema=BACKWARD_SCHEMA,
                          tags=_TAGS)
 def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
-    head_dim = validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
-    validation.check_grad_out(grad_out, kv, head_dim)
+    validation.check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                        ratio, coff)
     grad_out, kv, score, ape = _contiguous(grad_out, kv, score, ape)
     if kv.device.type == "cpu":
-        validation.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], ratio, grad_out.shape[0],
-                                 rows_name="`grad_out` row count")
+        with validation.checking(validation.BACKWARD_OP):
+            validation.check_offsets(cu_seqlens, cu_seqlens_comp, kv.shape[0], ratio,
+                                     grad_out.shape[0], rows_name="`grad_out` row count")
     return reference.compressor_backward_reference(grad_out, kv, score, ape, cu_seqlens,
                                                    cu_seqlens_comp, ratio, coff)
 
 
 @_compressor_backward.register_kernel("cuda")
 def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
-    head_dim = validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
-    validation.check_grad_out(grad_out, kv, head_dim)
+    validation.check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                        ratio, coff)
     args = _contiguous(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
     host = _host()
     if host.supports(*args[1:], ratio, coff):

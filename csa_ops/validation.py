@@ -6,10 +6,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 OP = "csa.compressor"
+BACKWARD_OP = "csa.compressor_backward"
+_op_name = contextvars.ContextVar("csa_ops_validated_op", default=OP)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT32_MAX = 2**31 - 1
 
@@ -20,8 +25,18 @@ def _definitely(condition) -> bool:
     return statically_known_true(condition)
 
 
+@contextlib.contextmanager
+def checking(op: str):
+    """Errors raised inside name ``op`` (the checks are shared by both ops)."""
+    token = _op_name.set(op)
+    try:
+        yield
+    finally:
+        _op_name.reset(token)
+
+
 def _fail(message: str, error=ValueError):
-    raise error(f"{OP}: {message}")
+    raise error(f"{_op_name.get()}: {message}")
 
 
 def _check_same_device(name: str, tensor: torch.Tensor, kv: torch.Tensor) -> None:
@@ -97,6 +112,13 @@ def check_grad_out(grad_out, kv, head_dim: int) -> None:
     _check_same_device("grad_out", grad_out, kv)
     if _definitely(grad_out.shape[0] * head_dim > INT32_MAX):
         _fail(f"`grad_out` has {grad_out.shape[0] * head_dim} elements, which overflows int32")
+
+
+def check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+    """The forward's metadata checks plus grad_out's, with errors naming the backward op."""
+    with checking(BACKWARD_OP):
+        head_dim = check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+        check_grad_out(grad_out, kv, head_dim)
 
 
 def check_offsets(cu_seqlens, cu_seqlens_comp, num_tokens: int, ratio: int, total_comp=None,

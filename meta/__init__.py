@@ -21,6 +21,6 @@ def compressor_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, to
 
 @torch.library.register_fake("csa::compressor_backward")
 def compressor_backward_fake(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
-    head_dim = validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
-    validation.check_grad_out(grad_out, kv, head_dim)
+    validation.check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                        ratio, coff)
     return shapes.empty_backward(kv, score, ape)

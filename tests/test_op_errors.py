@@ -194,14 +194,14 @@ cuc_decreasing: ValueError: csa.compressor: `cu_seqlens_comp` must count len // 
 
     def test_backward_messages(self):
         self.assertExpectedInline(_messages(BACKWARD_CASES, list(BACKWARD_CASES)), """\
-grad_out_width: ValueError: csa.compressor: `grad_out` must be 2-D (rows, head_dim=3), got (6, 4)
-grad_out_rank_1: ValueError: csa.compressor: `grad_out` must be 2-D (rows, head_dim=3), got (6,)
-grad_out_dtype: ValueError: csa.compressor: `grad_out` must have the dtype of `kv` (torch.float32), got torch.float64
-grad_out_device: ValueError: csa.compressor: `grad_out` must be on the device of `kv` (cpu), got meta
-grad_out_fewer_rows_than_true_count: ValueError: csa.compressor: `grad_out` row count = 4 is smaller than the true row count cu_seqlens_comp[-1] = 5
-backward_kv_dtype: ValueError: csa.compressor: `kv` must be one of bfloat16, float16, float32, float64, got torch.int64
-backward_ratio_zero: ValueError: csa.compressor: `ratio` must be an int >= 1, got 0
-backward_cuc_not_len_over_ratio: ValueError: csa.compressor: `cu_seqlens_comp` must count len // ratio rows per segment: segment 2 has 5 tokens, so 2 rows at ratio 2, got 3""")
+grad_out_width: ValueError: csa.compressor_backward: `grad_out` must be 2-D (rows, head_dim=3), got (6, 4)
+grad_out_rank_1: ValueError: csa.compressor_backward: `grad_out` must be 2-D (rows, head_dim=3), got (6,)
+grad_out_dtype: ValueError: csa.compressor_backward: `grad_out` must have the dtype of `kv` (torch.float32), got torch.float64
+grad_out_device: ValueError: csa.compressor_backward: `grad_out` must be on the device of `kv` (cpu), got meta
+grad_out_fewer_rows_than_true_count: ValueError: csa.compressor_backward: `grad_out` row count = 4 is smaller than the true row count cu_seqlens_comp[-1] = 5
+backward_kv_dtype: ValueError: csa.compressor_backward: `kv` must be one of bfloat16, float16, float32, float64, got torch.int64
+backward_ratio_zero: ValueError: csa.compressor_backward: `ratio` must be an int >= 1, got 0
+backward_cuc_not_len_over_ratio: ValueError: csa.compressor_backward: `cu_seqlens_comp` must count len // ratio rows per segment: segment 2 has 5 tokens, so 2 rows at ratio 2, got 3""")
 
 
 # Degenerate but valid inputs: shapes, exact zeros, and the same answers as the eager model.
