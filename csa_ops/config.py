@@ -15,8 +15,10 @@ ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Largest window (coff * ratio) the register-window family keeps in registers; larger
 # windows go to the streaming family.
 WINDOW_MAX = 32
-# Up to this head_dim the window family favours threads over vector width (see window_key).
+# Up to this head_dim and window the window family favours threads over vector width (see
+# window_key); measured at window 8, wider windows keep the register-lean default.
 NARROW_HEAD_DIM = 128
+NARROW_WINDOW_MAX = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +93,7 @@ def window_key(
     windows trade vector width for registers.
     """
     vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, 64 // (coff * ratio)))
-    if head_dim <= NARROW_HEAD_DIM:
+    if head_dim <= NARROW_HEAD_DIM and coff * ratio <= NARROW_WINDOW_MAX:
         # Narrow rows give few threads per pack: the kernel is latency-bound, so trade vector
         # width for threads. H200 sweep, 1x8192 d128 r4 c2 bf16 (bitwise-checked per key):
         # vec 8 / 128 threads 12.5 us fwd, 18.5 us bwd; vec 2 / 256 threads 6.7 us, 12.5 us.

@@ -80,6 +80,7 @@ def test_narrow_rows_trade_vector_width_for_threads():
     key = window_key(4, 2, 128, "bfloat16", "sm_90a", False)
     assert (key.vec, key.threads) == (2, 256)
     assert window_key(4, 2, 512, "bfloat16", "sm_90a", False).threads == 128
+    assert window_key(16, 2, 128, "bfloat16", "sm_90a", False).threads == 128
 
 
 def test_key_rejects_bad_values():
