@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import csa_ops  # noqa: F401  (registers torch.ops.csa.*)
+from helpers import use_lowering_mode
 
 
 @pytest.fixture
@@ -21,14 +22,8 @@ def compile_env():
 @pytest.fixture
 def lowering_mode(request):
     """csa_ops.lowering policy for one test (indirect parameter), restored afterwards."""
-    from csa_ops import lowering
-
-    previous = lowering.get_mode()
-    lowering.set_mode(request.param)
-    try:
+    with use_lowering_mode(request.param):
         yield request.param
-    finally:
-        lowering.set_mode(previous)
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ GPU machine lacks it.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import itertools
 import math
@@ -254,3 +256,16 @@ def unconsumed_mask(spec: PackSpec) -> torch.Tensor:
             mask[start:start + max(blocks - 1, 0) * spec.ratio, :spec.head_dim] = False
         start += length
     return mask
+
+
+@contextlib.contextmanager
+def use_lowering_mode(mode: str):
+    """csa_ops.lowering policy inside the block, restored afterwards."""
+    from csa_ops import lowering
+
+    previous = lowering.get_mode()
+    lowering.set_mode(mode)
+    try:
+        yield mode
+    finally:
+        lowering.set_mode(previous)

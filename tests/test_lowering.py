@@ -4,7 +4,6 @@ graphs and of a digest of the generated code."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import os
 import re
@@ -16,31 +15,14 @@ import expecttest
 import pytest
 import torch
 import torch._dynamo.testing
-from helpers import EPS, PackSpec, make_pack, offsets, spec_params, sum_tolerance, ulp, window
+from helpers import (EPS, PackSpec, make_pack, offsets, spec_params, sum_tolerance, ulp,
+                     use_lowering_mode, window)
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import csa_ops
 from csa_ops import lowering, reference
 
 pytestmark = pytest.mark.skipif(not lowering.available, reason="csa_ops.lowering not registered")
-
-
-@contextlib.contextmanager
-def lowering_mode(mode):
-    previous = lowering.mode
-    lowering.mode = mode
-    try:
-        yield
-    finally:
-        lowering.mode = previous
-
-
-@pytest.fixture
-def no_caches():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,7 +76,7 @@ def _assert_no_window_buffer(code: str, rows: int, spec: PackSpec):
 
 
 def test_mode_validates_and_retags_caches():
-    with lowering_mode("auto"):
+    with use_lowering_mode("auto"):
         tag = torch.compiler.config.cache_key_tag
         # Package version and a digest of the lowering sources key every cached artifact.
         assert f"csa_ops-{importlib.metadata.version('csa-ops')}-" in tag
@@ -110,11 +92,11 @@ def test_mode_validates_and_retags_caches():
 
 def test_auto_generates_on_cpu_and_explicit_modes_win():
     cpu = torch.device("cpu")
-    with lowering_mode("auto"):
+    with use_lowering_mode("auto"):
         assert lowering.policy.choose("fwd", cpu, torch.bfloat16, 4, 2, 128) == "generate"
         assert not lowering.policy.extern_kernel_supports(cpu, torch.bfloat16, 4, 2, 128)
     for mode in ("extern", "generate"):
-        with lowering_mode(mode):
+        with use_lowering_mode(mode):
             assert lowering.policy.choose("bwd", cpu, torch.float32, 4, 2, 128) == mode
 
 
@@ -178,11 +160,11 @@ GENERATE_CASES = [
 @pytest.mark.parametrize(("spec", "dtype"), [
     pytest.param(spec, dtype, id=f"{spec_params([spec])[0].id}_{str(dtype)[6:]}")
     for spec, dtype in GENERATE_CASES])
-def test_generated_forward_backward_match_reference(spec, dtype, no_caches):
+def test_generated_forward_backward_match_reference(spec, dtype, compile_env):
     pack = make_pack(spec, dtype=dtype)
     rows = spec.capacity
     grad_out = pack.grad_out()
-    with lowering_mode("generate"):
+    with use_lowering_mode("generate"):
         actual, code = run_and_get_code(torch.compile(_fwd_bwd, fullgraph=True), grad_out,
                                         *pack.args())
     (code,) = code
@@ -198,7 +180,7 @@ def test_generated_forward_backward_match_reference(spec, dtype, no_caches):
 
 
 @pytest.mark.parametrize("mode", ["generate", "extern"])
-def test_strided_inputs(mode, no_caches):
+def test_strided_inputs(mode, compile_env):
     """kv and score as column slices of one fused projection (row stride 2*width)."""
     spec = PackSpec((9, 3, 0, 16), ratio=4, coff=2, head_dim=6, extra_tokens=1, extra_rows=1)
     pack = make_pack(spec)
@@ -209,7 +191,7 @@ def test_strided_inputs(mode, no_caches):
         kv, score = fused.split(spec.coff * spec.head_dim, dim=1)
         return _fwd_bwd(grad_out, kv, score, ape, cu, cuc, spec.ratio, spec.coff, spec.capacity)
 
-    with lowering_mode(mode):
+    with use_lowering_mode(mode):
         actual = torch.compile(fn, fullgraph=True)(fused, *pack.tensors()[2:])
     expected = (reference.compressor_reference(*pack.args()),
                 *reference.compressor_backward_reference(grad_out, *pack.tensors(), spec.ratio,
@@ -242,12 +224,12 @@ def _module_step(module, x, cu, cuc, total_comp):
 
 
 @pytest.mark.parametrize("mode", ["generate", "extern", "auto"])
-def test_compressor_block_modes(mode, no_caches):
+def test_compressor_block_modes(mode, compile_env):
     module, x, cu, cuc = _module_and_inputs()
     rows = MODULE_SPEC.capacity
     expected = _module_step(module, x, cu, cuc, rows)
     compiled = torch.compile(module, fullgraph=True)
-    with lowering_mode(mode):
+    with use_lowering_mode(mode):
         actual, codes = run_and_get_code(_module_step, compiled, x, cu, cuc, rows)
     fwd_code, bwd_code = codes
     for a, e in zip(actual, expected):
@@ -265,11 +247,11 @@ def test_compressor_block_modes(mode, no_caches):
     _assert_no_window_buffer(bwd_code, rows, MODULE_SPEC)
 
 
-def test_data_dependent_rows_and_dynamic_shapes(no_caches):
+def test_data_dependent_rows_and_dynamic_shapes(compile_env):
     """total_comp=None under dynamic=True: one graph serves packs of other sizes."""
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(_fwd_bwd, backend=counter, fullgraph=True, dynamic=True)
-    with lowering_mode("generate"):
+    with use_lowering_mode("generate"):
         for lengths in [(13, 0, 9, 2, 20), (40, 3, 0, 17, 8)]:
             spec = PackSpec(lengths, ratio=4, coff=2, head_dim=6, extra_tokens=3)
             pack = make_pack(spec)
@@ -281,12 +263,12 @@ def test_data_dependent_rows_and_dynamic_shapes(no_caches):
     assert counter.frame_count == 1
 
 
-def test_all_segments_short_data_dependent(no_caches):
+def test_all_segments_short_data_dependent(compile_env):
     """total_comp=None with no full block anywhere: zero rows at run time, and the backward's
     row-indexed reads (masked) never touch the empty grad_out."""
     pack = make_pack(PackSpec((3, 0, 2), ratio=4, coff=2, head_dim=5, extra_tokens=2))
     grad_out = pack.grad_out(total_comp=None)
-    with lowering_mode("generate"):
+    with use_lowering_mode("generate"):
         out, grad_kv, grad_score, grad_ape = torch.compile(_fwd_bwd, fullgraph=True)(
             grad_out, *pack.args(total_comp=None))
     assert out.shape == (0, 5)
@@ -302,7 +284,7 @@ def test_no_stale_code_across_modes():
 
     pack = make_pack(MODULE_SPEC)
     seen = []
-    with fresh_cache(), lowering_mode("generate"):
+    with fresh_cache(), use_lowering_mode("generate"):
         for mode in ("generate", "extern", "generate"):
             lowering.mode = mode  # resets dynamo, so every pass compiles (or hits the cache)
             _, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True), *pack.args())
@@ -310,19 +292,19 @@ def test_no_stale_code_across_modes():
     assert seen == [[], ["compressor"], []]
 
 
-def test_auto_falls_back_to_the_op_when_generation_fails(monkeypatch, no_caches):
+def test_auto_falls_back_to_the_op_when_generation_fails(monkeypatch, compile_env):
     def broken(*args, **kwargs):
         raise NotImplementedError("an Inductor internal moved")
 
     monkeypatch.setattr(lowering._generate, "forward", broken)
     pack = make_pack(MODULE_SPEC)
     expected = reference.compressor_reference(*pack.args())
-    with lowering_mode("auto"):
+    with use_lowering_mode("auto"):
         out, (code,) = run_and_get_code(torch.compile(torch.ops.csa.compressor, fullgraph=True),
                                         *pack.args())
     assert _extern_ops(code) == ["compressor"]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    with lowering_mode("generate"), pytest.raises(Exception, match="an Inductor internal moved"):
+    with use_lowering_mode("generate"), pytest.raises(Exception, match="an Inductor internal moved"):
         torch.compile(torch.ops.csa.compressor, fullgraph=True)(*pack.args())
 
 
@@ -356,7 +338,7 @@ class TestPins(expecttest.TestCase):
 
     def test_pin_data_dependent_forward(self):
         pack = make_pack(PackSpec((13, 0, 9), ratio=4, coff=2, head_dim=4))
-        with lowering_mode("generate"):
+        with use_lowering_mode("generate"):
             (graph,), (code,) = _inductor_graphs(
                 lambda *a: torch.ops.csa.compressor(*a).relu(), *pack.args(total_comp=None))
         self.assertExpectedInline(graph, """\
@@ -377,7 +359,7 @@ buffer (u0, 4) float32""")
     def test_pin_block_forward_backward(self):
         module, x, cu, cuc = _module_and_inputs()
         compiled = torch.compile(module, fullgraph=True)
-        with lowering_mode("generate"):
+        with use_lowering_mode("generate"):
             _, codes = run_and_get_code(_module_step, compiled, x, cu, cuc, MODULE_SPEC.capacity)
         self.assertExpectedInline("\n---\n".join(digest(c) for c in codes), """\
 kernel cpp_fused_add_compressor_mean_mul_pow_rsqrt_0
@@ -402,12 +384,12 @@ buffer (64, 16) float32
 buffer (46, 16) float32""")
 
 
-def test_bf16_rmsnorm_fusion_matches_eager_with_emulated_casts(no_caches):
+def test_bf16_rmsnorm_fusion_matches_eager_with_emulated_casts(compile_env):
     """Fused, Inductor skips the bf16 rounding between the op and RMSNorm; with
     emulate_precision_casts the compiled block equals eager to one bf16 step."""
     module, x, cu, cuc = _module_and_inputs(dtype=torch.bfloat16)
     eager = module(x, cu, cuc, MODULE_SPEC.capacity)
-    with lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
+    with use_lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
         compiled = torch.compile(module, fullgraph=True)(x, cu, cuc, MODULE_SPEC.capacity)
     err = (compiled.double() - eager.double()).abs()
     assert bool((err <= ulp(eager, torch.bfloat16) + 4 * EPS[torch.float32]).all())

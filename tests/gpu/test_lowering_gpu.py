@@ -3,7 +3,6 @@ each mode, data-dependent and dynamic shapes, and the auto policy's choices."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import pytest
@@ -13,29 +12,12 @@ from torch._inductor.utils import run_and_get_code
 
 import csa_ops
 from csa_ops import lowering, offsets_for, reference
+from helpers import use_lowering_mode
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.skipif(not lowering.available, reason="csa_ops.lowering not registered"),
 ]
-
-
-@contextlib.contextmanager
-def lowering_mode(mode):
-    previous = lowering.mode
-    lowering.mode = mode
-    try:
-        yield
-    finally:
-        lowering.mode = previous
-
-
-@pytest.fixture
-def no_caches():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
 
 
 def _kernels(code: str):
@@ -103,7 +85,7 @@ CASES = [  # (lengths, ratio, coff, head_dim, dtype)
 
 
 @pytest.mark.parametrize(("lengths", "ratio", "coff", "head_dim", "dtype"), CASES)
-def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, no_caches):
+def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, compile_env):
     """Unrolled windows (coff*ratio <= UNROLL_MAX) with emulated precision casts reproduce the
     reference bit for bit where Inductor rounds like eager CUDA (_exact_ops);
     otherwise, and for Reduction windows, within one output rounding step plus fp32
@@ -114,7 +96,7 @@ def test_generated_matches_reference(lengths, ratio, coff, head_dim, dtype, no_c
     grad_out = torch.randn(rows, head_dim, device="cuda").to(dtype)
     args = (kv, score, ape, cu, cuc, ratio, coff, rows)
     bitwise = coff * ratio <= lowering._generate.UNROLL_MAX and _exact_ops()
-    with lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
+    with use_lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
         compiled = torch.compile(_fwd_bwd, fullgraph=True)
         actual, (code,) = run_and_get_code(compiled, grad_out, *args)
         again = compiled(grad_out, *args)
@@ -156,11 +138,11 @@ def _block_step(module, x, cu, cuc, total_comp):
 
 
 @pytest.mark.parametrize("mode", ["generate", "extern", "auto"])
-def test_block_modes(mode, no_caches):
+def test_block_modes(mode, compile_env):
     """fp32 block (bf16 would compare Inductor's fused RMSNorm numerics, not the op)."""
     module, x, cu, cuc, rows = _block()
     expected = _block_step(module, x, cu, cuc, rows)
-    with lowering_mode(mode):
+    with use_lowering_mode(mode):
         actual, codes = run_and_get_code(_block_step, torch.compile(module, fullgraph=True), x,
                                          cu, cuc, rows)
         path = {d: lowering.policy.choose(d, x.device, x.dtype, 4, 2, 128) for d in ("fwd", "bwd")}
@@ -189,7 +171,7 @@ def test_auto_policy_on_this_gpu():
     """auto: short-window forwards generate (measured faster); otherwise extern where the
     CuTe kernels support the configuration (never fp64), generated elsewhere."""
     dev = torch.device("cuda")
-    with lowering_mode("auto"):
+    with use_lowering_mode("auto"):
         choose = lowering.policy.choose
         supports = lowering.policy.extern_kernel_supports
         assert choose("fwd", dev, torch.bfloat16, 4, 2, 128) == "generate"
@@ -199,10 +181,10 @@ def test_auto_policy_on_this_gpu():
             assert choose(direction, dev, torch.bfloat16, ratio, coff, 512) == expected
 
 
-def test_data_dependent_rows_and_dynamic_shapes(no_caches):
+def test_data_dependent_rows_and_dynamic_shapes(compile_env):
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(_fwd_bwd, backend=counter, fullgraph=True, dynamic=True)
-    with lowering_mode("generate"):
+    with use_lowering_mode("generate"):
         for lengths in [(13, 0, 9, 2, 20), (400, 3, 0, 17, 8)]:
             kv, score, ape, cu, cuc = _pack(lengths, 4, 2, 6, torch.float32)
             grad_out = torch.randn(int(cuc[-1]), 6, device="cuda")
@@ -215,11 +197,11 @@ def test_data_dependent_rows_and_dynamic_shapes(no_caches):
     assert counter.frame_count == 1
 
 
-def test_reduce_overhead_static_capacity(no_caches):
+def test_reduce_overhead_static_capacity(compile_env):
     """CUDA graphs over the generated path (static capacity): replays match eager."""
     module, x, cu, cuc, rows = _block(dtype=torch.float32, head_dim=64)
     expected = module(x, cu, cuc, rows)
-    with lowering_mode("generate"), torch.no_grad():
+    with use_lowering_mode("generate"), torch.no_grad():
         compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
         for _ in range(3):
             torch.compiler.cudagraph_mark_step_begin()
