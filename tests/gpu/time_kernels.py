@@ -56,7 +56,7 @@ def _inputs(segs, seqlen, d, ratio, coff, dtype, seed):
     return kv, score, ape, cu, cuc, rows, grad_out
 
 
-def _graph_time(fn, sets, launches=20, replays=30) -> float:
+def graph_time(fn, sets, launches=20, replays=30) -> float:
     for s in sets:
         fn(s)
     torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def _sweep(ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> N
             host.set_key(key, backward)
             host.precompile(ratio, d, coff, dtype)
             verdict = _verdict(backward, fn(sets[0]), sets[0], ratio, coff)
-            t = _graph_time(fn, sets)
+            t = graph_time(fn, sets)
             print(f"  {'bwd' if backward else 'fwd'} vec={key.vec} threads={key.threads} "
                   f"{dict(key.knobs)}: {t:.2f} us (default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
@@ -152,7 +152,7 @@ def main() -> None:
         def bwd(s, ratio=ratio, coff=coff):
             return host.compressor_backward(s[6], *s[:5], ratio, coff)
 
-        t_fwd, t_bwd = _graph_time(fwd, sets), _graph_time(bwd, sets)
+        t_fwd, t_bwd = graph_time(fwd, sets), graph_time(bwd, sets)
         if args.sweep:
             _sweep(ratio, coff, d, args.dtype, dtype, fwd, bwd, sets, t_fwd, t_bwd)
         h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])

@@ -15,7 +15,7 @@ import torch
 
 from csa_ops import host
 from csa_ops.kernels import streaming
-from time_kernels import copy_bandwidth  # same folder: the one copy-bandwidth probe
+from time_kernels import copy_bandwidth, graph_time  # same folder: one probe, one timer
 
 SHAPES = (  # (tokens, head_dim, ratio, coff)
     (65536, 128, 128, 1),
@@ -87,26 +87,9 @@ def _launches(key, backward, sets, sms):
     return out
 
 
-def graph_time(launches, per_graph=20, replays=30) -> float:
-    for fn in launches:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(per_graph):
-            launches[i % len(launches)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * per_graph))
-    return sorted(times)[len(times) // 2]
+def launches_time(launches) -> float:
+    """Kernel time per launch from graph replays cycling over the bound launches."""
+    return graph_time(lambda launch: launch(), launches)
 
 
 def main() -> None:
@@ -137,13 +120,13 @@ def main() -> None:
         for backward in (False, True):
             base = streaming.configure(ratio, coff, d, args.dtype, arch, backward)
             tag = "bwd" if backward else "fwd"
-            rec[f"{tag}_us"] = graph_time(_launches(base, backward, sets, sms))
+            rec[f"{tag}_us"] = launches_time(_launches(base, backward, sets, sms))
             rec[f"{tag}_key"] = str(dict(base.knobs))
             for var in variants:
                 key = streaming.configure(ratio, coff, d, args.dtype, arch, backward, **var)
                 if key == base or not streaming.supports(key):
                     continue
-                t = graph_time(_launches(key, backward, sets, sms))
+                t = launches_time(_launches(key, backward, sets, sms))
                 rec.setdefault("variants", []).append({"dir": tag, "knobs": dict(key.knobs),
                                                        "us": t})
                 print(f"  {rec['shape']} {tag} {dict(key.knobs)}: {t:.2f} us "
