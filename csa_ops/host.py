@@ -238,12 +238,20 @@ def supports(
         return False
     if kv.dim() != 2 or kv.shape[1] % coff or kv.shape[1] == 0 or cu.numel() < 1:
         return False
-    arch, _ = _device_info(kv.device)
+    return supports_config(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff)
+
+
+def supports_config(device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
+                    head_dim: int) -> bool:
+    """The metadata half of `supports` (device arch, dtype, a family for both directions):
+    what a compiler deciding at trace time can ask without tensors."""
+    if device.type != "cuda" or dtype not in _TORCH_DTYPES:
+        return False
+    arch, _ = _device_info(device)
     if arch is None:
         return False
-    dtype = _TORCH_DTYPES[kv.dtype]
-    head_dim = kv.shape[1] // coff
-    return all(_key_for(ratio, coff, head_dim, dtype, arch, b) is not None for b in (0, 1))
+    name = _TORCH_DTYPES[dtype]
+    return all(_key_for(ratio, coff, head_dim, name, arch, b) is not None for b in (0, 1))
 
 
 def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:

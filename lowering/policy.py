@@ -85,26 +85,17 @@ def init_from_env() -> None:
 # The decision
 
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
 def extern_kernel_supports(device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
                            head_dim: int) -> bool:
-    """Whether the CuTe-DSL kernels run this configuration (metadata only, no tensors).
-
-    Mirrors csa_ops.host.supports for the trace-time facts; imported lazily (cutlass)."""
-    if device.type != "cuda" or dtype not in _DTYPE_NAMES or not torch.cuda.is_available():
+    """Whether the CuTe-DSL kernels run this configuration (metadata only, no tensors);
+    csa_ops.host is imported lazily because it pulls in cutlass."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     try:
         from csa_ops import host
     except ImportError:
         return False
-    arch = host.device_arch(device)
-    if arch is None:
-        return False
-    name = _DTYPE_NAMES[dtype]
-    return all(host.select_key(ratio, coff, head_dim, name, arch, b) is not None
-               for b in (False, True))
+    return host.supports_config(device, dtype, ratio, coff, head_dim)
 
 
 def choose(direction: str, device: torch.device, dtype: torch.dtype, ratio: int, coff: int,

@@ -117,3 +117,15 @@ def test_launch_arguments_match_compiled_signature(backward):
     compiled, call_args = host._launch_args("bwd" if backward else "fwd", key, plan, args,
                                             [t, rows, 1], 0)
     compiled.generate_execution_args(*call_args)
+
+
+def test_supports_config_is_the_metadata_half_of_supports(monkeypatch):
+    # A pretend SM90 device: the decision must come from dtype and family support alone.
+    monkeypatch.setattr(host, "_device_info", lambda device: ("sm_90a", 132))
+    cuda = torch.device("cuda", 0)
+    assert host.supports_config(cuda, torch.bfloat16, 4, 2, 128)
+    assert host.supports_config(cuda, torch.float16, 128, 2, 512)
+    assert not host.supports_config(cuda, torch.float64, 4, 2, 128)
+    assert not host.supports_config(torch.device("cpu"), torch.bfloat16, 4, 2, 128)
+    monkeypatch.setattr(host, "_device_info", lambda device: (None, 132))
+    assert not host.supports_config(cuda, torch.bfloat16, 4, 2, 128)
