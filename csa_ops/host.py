@@ -321,6 +321,15 @@ def _launch(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes:
         compiled(*call_args)
 
 
+def _resolve(kv: torch.Tensor, ratio: int, coff: int, head_dim: int, backward: bool):
+    """(key, family module, SM count) of one direction for kv's device and dtype."""
+    arch, num_sms = _device_info(kv.device)
+    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[kv.dtype], arch, backward)
+    if key is None:
+        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} d={head_dim}")
+    return key, _family(key.family), num_sms
+
+
 def compressor_forward(
     kv: torch.Tensor,
     score: torch.Tensor,
@@ -336,11 +345,7 @@ def compressor_forward(
     out = torch.empty((total_comp, head_dim), dtype=kv.dtype, device=kv.device)
     if total_comp == 0:
         return out
-    arch, num_sms = _device_info(kv.device)
-    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[kv.dtype], arch, False)
-    if key is None:
-        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} d={head_dim}")
-    fam = _family(key.family)
+    key, fam, num_sms = _resolve(kv, ratio, coff, head_dim, backward=False)
     plan = fam.plan_forward(key, kv.shape[0], total_comp, num_sms)
     kv, score = _aligned(kv, key.align_bytes), _aligned(score, key.align_bytes)
     ape = _aligned(ape, 16)
@@ -366,11 +371,7 @@ def compressor_backward(
     grad_kv = torch.empty_like(kv)
     grad_score = torch.empty_like(score)
     grad_ape = torch.empty((ratio, width), dtype=torch.float32, device=kv.device)
-    arch, num_sms = _device_info(kv.device)
-    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[kv.dtype], arch, True)
-    if key is None:
-        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} d={head_dim}")
-    fam = _family(key.family)
+    key, fam, num_sms = _resolve(kv, ratio, coff, head_dim, backward=True)
     num_rows = grad_out.shape[0]
     plan = fam.plan_backward(key, num_tokens, num_rows, num_sms)
     a = key.align_bytes
