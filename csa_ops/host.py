@@ -13,11 +13,11 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from . import config
+from . import config, launcher
 from .config import KernelKey, LaunchPlan
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -116,16 +116,21 @@ def _device_info(dev: torch.device) -> tuple[str | None, int]:
 # Compile cache
 
 
+class _Compiled(NamedTuple):
+    kernel: Any  # the DSL's compiled function
+    launch: Callable[[list[int], int], None]  # launcher(values, stream), see csa_ops.launcher
+
+
 class _CompileCache:
     """One cache for all families and directions, guarded against double compiles."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, KernelKey], Any] = {}
+        self._entries: dict[tuple[str, KernelKey], _Compiled] = {}
         self.hits = 0
         self.misses = 0
 
-    def get(self, direction: str, key: KernelKey) -> Any:
+    def get(self, direction: str, key: KernelKey) -> _Compiled:
         entry = self._entries.get((direction, key))
         if entry is not None:
             self.hits += 1
@@ -144,8 +149,9 @@ class _CompileCache:
                 if fam is None:
                     raise RuntimeError(f"csa_ops: kernel family {key.family!r} is unavailable")
                 compile_fn = fam.compile_forward if direction == "fwd" else fam.compile_backward
-                entry = compile_fn(key)
-                self._entries[(direction, key)] = entry
+                kernel = compile_fn(key)
+                launch = launcher.make_launcher(kernel, launch_signature(direction, key))
+                entry = self._entries[(direction, key)] = _Compiled(kernel, launch)
                 self.misses += 1
             else:
                 self.hits += 1
@@ -259,66 +265,44 @@ def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
     return t if t.data_ptr() % align == 0 else t.clone()
 
 
-class _Runtime:
-    """DSL runtime objects, imported on first launch so `import csa_ops` stays light."""
-
-    def __init__(self) -> None:
-        import cuda.bindings.driver as cuda
-        import cutlass
-        from cutlass import cute
-        from cutlass.cute.runtime import make_ptr
-
-        self.stream_type = cuda.CUstream
-        self.int32 = cutlass.Int32
-        self.gmem = cute.AddressSpace.gmem
-        self.make_ptr = make_ptr
-        self.types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                      torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
-        # Pointer objects are plain values; the caching allocator hands out the same
-        # addresses step after step, so memoizing them saves most of their construction.
-        self.ptrs: dict[tuple, Any] = {}
-
-    def ptr(self, t: torch.Tensor, align: int) -> Any:
-        memo = (t.data_ptr(), t.dtype, align)
-        p = self.ptrs.get(memo)
-        if p is None:
-            if len(self.ptrs) > 4096:
-                self.ptrs.clear()
-            p = self.ptrs[memo] = self.make_ptr(self.types[t.dtype], memo[0], self.gmem, align)
-        return p
+# Pointer arguments of each direction, in the order of KernelFamily's runtime arguments:
+# "data" (the key's dtype), "f32" (ape, grad_ape, workspace), "idx" (cu, cuc). Four Int32
+# scalars follow (num_tokens, num_rows, num_segs, grid), then the stream.
+_POINTERS = {
+    "fwd": ("data", "data", "f32", "idx", "idx", "data", "f32"),
+    "bwd": ("data", "data", "data", "f32", "idx", "idx", "data", "data", "f32", "f32"),
+}
+_SCALARS = 4
 
 
-_RUNTIME: list[_Runtime] = []
+def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
+    """The argument slots of a compiled kernel (see csa_ops.launcher), stream excluded."""
+    dtype = next(t for t, name in _TORCH_DTYPES.items() if name == key.dtype)
+    slots = {"data": ("ptr", dtype, key.align_bytes), "f32": ("ptr", torch.float32, 16),
+             "idx": ("ptr", torch.int32, 4)}
+    return tuple(slots[kind] for kind in _POINTERS[direction]) + (("i32",),) * _SCALARS
 
 
-def _launch_args(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes: list,
-                 stream: int) -> tuple[Any, list]:
-    """(compiled, runtime arguments) of one launch; args are (tensor, kind) pairs with kind
-    'data' (key dtype), 'f32' (ape, grad_ape) or 'idx' (cu, cuc)."""
-    if not _RUNTIME:
-        _RUNTIME.append(_Runtime())
-    rt = _RUNTIME[0]
-    compiled = _CACHE.get(direction, key)
-    if plan.workspace:
-        work = torch.empty(plan.workspace, dtype=torch.float32, device=args[0][0].device)
-    else:
-        work = next(t for t, kind in args if kind == "f32")  # never read: any fp32 pointer
-    aligns = {"data": key.align_bytes, "f32": 16, "idx": 4}
-    ptrs = [rt.ptr(t, aligns[kind]) for t, kind in [*args, (work, "f32")]]
-    scalars = [rt.int32(v) for v in (*sizes, plan.grid)]
-    return compiled, [*ptrs, *scalars, rt.stream_type(stream)]
-
-
-def _launch(direction: str, key: KernelKey, plan: LaunchPlan, args: list, sizes: list) -> None:
-    device = args[0][0].device
+def _launch(direction: str, key: KernelKey, plan: LaunchPlan, tensors: list[torch.Tensor],
+            sizes: list[int], ape: torch.Tensor) -> None:
+    """One launch on the current stream of the tensors' device; `tensors` in signature order
+    without the workspace, `sizes` = (num_tokens, num_rows, num_segs)."""
+    launch = _CACHE.get(direction, key).launch
+    device = ape.device
+    # With no workspace the slot gets some fp32 pointer the kernel never touches.
+    work = (torch.empty(plan.workspace, dtype=torch.float32, device=device)
+            if plan.workspace else ape)
+    values = [t.data_ptr() for t in tensors]
+    values.append(work.data_ptr())
+    values.extend(sizes)
+    values.append(plan.grid)
     stream = torch.cuda.current_stream(device).cuda_stream
-    compiled, call_args = _launch_args(direction, key, plan, args, sizes, stream)
     if device.index is None or device.index == torch.cuda.current_device():
-        compiled(*call_args)
+        launch(values, stream)
         return
     # The DSL launches into the current context: make it the tensors' device for this call.
     with torch.cuda.device(device):
-        compiled(*call_args)
+        launch(values, stream)
 
 
 def _resolve(kv: torch.Tensor, ratio: int, coff: int, head_dim: int, backward: bool):
@@ -350,8 +334,7 @@ def compressor_forward(
     kv, score = _aligned(kv, key.align_bytes), _aligned(score, key.align_bytes)
     ape = _aligned(ape, 16)
     sizes = [kv.shape[0], total_comp, cu.numel() - 1]
-    args = [(kv, "data"), (score, "data"), (ape, "f32"), (cu, "idx"), (cuc, "idx"), (out, "data")]
-    _launch("fwd", key, plan, args, sizes)
+    _launch("fwd", key, plan, [kv, score, ape, cu, cuc, out], sizes, ape)
     return out
 
 
@@ -377,7 +360,6 @@ def compressor_backward(
     a = key.align_bytes
     grad_out, kv, score = _aligned(grad_out, a), _aligned(kv, a), _aligned(score, a)
     ape = _aligned(ape, 16)
-    args = [(grad_out, "data"), (kv, "data"), (score, "data"), (ape, "f32"), (cu, "idx"),
-            (cuc, "idx"), (grad_kv, "data"), (grad_score, "data"), (grad_ape, "f32")]
-    _launch("bwd", key, plan, args, [num_tokens, num_rows, cu.numel() - 1])
+    tensors = [grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape]
+    _launch("bwd", key, plan, tensors, [num_tokens, num_rows, cu.numel() - 1], ape)
     return grad_kv, grad_score, grad_ape

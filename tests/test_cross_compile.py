@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from csa_ops import host
+from csa_ops import host, launcher
 from csa_ops.config import KernelKey, window_key
 from csa_ops.kernels import window
 
@@ -94,29 +94,19 @@ def test_key_rejects_bad_values():
         host.precompile(4, 128, 2, torch.bfloat16, arch="sm_75")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
-def test_launch_arguments_match_compiled_signature(backward):
-    # The host's argument list (pointers, alignments, scalars, stream) must be accepted by
-    # the compiled entry; checked on CPU tensors without launching anything.
-    ratio, coff, d, t, rows = 4, 2, 64, 40, 12
-    key = host.select_key(ratio, coff, d, "bfloat16", "sm_90a", backward)
-    fam = window
-    data = [torch.empty(t, coff * d, dtype=torch.bfloat16) for _ in range(2)]
-    ape = torch.empty(ratio, coff * d)
-    cu = torch.zeros(2, dtype=torch.int32)
-    out = torch.empty(rows, d, dtype=torch.bfloat16)
-    idx = [(ape, "f32"), (cu, "idx"), (cu, "idx")]
-    if backward:
-        plan = fam.plan_backward(key, t, rows, 132)
-        args = [(out, "data"), (data[0], "data"), (data[1], "data"), *idx,
-                (torch.empty_like(data[0]), "data"), (torch.empty_like(data[1]), "data"),
-                (torch.empty_like(ape), "f32")]
-    else:
-        plan = fam.plan_forward(key, t, rows, 132)
-        args = [(data[0], "data"), (data[1], "data"), *idx, (out, "data")]
-    compiled, call_args = host._launch_args("bwd" if backward else "fwd", key, plan, args,
-                                            [t, rows, 1], 0)
-    compiled.generate_execution_args(*call_args)
+@pytest.mark.parametrize("ratio", (4, 128), ids=("window", "streaming"))
+def test_launch_signature_matches_compiled_entry(ratio, backward, arch):
+    # The host's slots (pointers, alignments, scalars, stream) must be what the compiled
+    # entry takes, and the prepacked layout must read back through the DSL's own argument
+    # conversion (csa_ops.launcher), for both families and archs; no GPU involved.
+    direction = "bwd" if backward else "fwd"
+    key = host.select_key(ratio, 2, 64, "bfloat16", arch, backward)
+    entry = host._CACHE.get(direction, key)
+    signature = host.launch_signature(direction, key)
+    assert launcher.layout_mismatch(entry.kernel, signature) is None
+    assert entry.launch.prepacked
 
 
 def test_supports_config_is_the_metadata_half_of_supports(monkeypatch):

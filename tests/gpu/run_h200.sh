@@ -1,40 +1,86 @@
 #!/usr/bin/env bash
-# One H200 call: every GPU test, kernel timings and sweep, host overhead, the bench.
-# Usage on the device machine (after the README's DSL unpack): bash tests/gpu/run_h200.sh
-# Logs land under $OUT; each stage has its own time limit so one slow stage cannot
-# starve the rest.
+# One H200 call: the GPU test files as parallel processes (they are JIT-bound, and the host
+# has 16 cores), memcheck of the adversarial-offset tests, then the timing stages alone on
+# the GPU. Usage on the device machine, after the README's DSL unpack:
+#   bash tests/gpu/run_h200.sh
+# Environment:
+#   STAGES        subset of "tests sanitize overhead kernels ncu bench" (default: the first
+#                 four)
+#   CAND_DIR      a tree with candidate sources: its window-family tests run beside ours and
+#                 the kernels stage times both
+#   KERNEL_SHAPES time_kernels.py --only filters (comma separated)
+#   BENCH_SHAPES  bench shapes (comma separated; default the SPEC list), BENCH_SKIP variants
+#   T_TESTS, T_BENCH  per-stage limits in seconds
+# Logs land in $OUT/logs; $OUT/summary.txt has one line per job.
 set -u
 OUT=${OUT:-/tmp/csa-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1
-# At most 8 files come back: summary, four logs, the bench's json/md/png.
+STAGES=${STAGES:-"tests sanitize overhead kernels"}
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
+ROOT=$(pwd)
+
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/summary.txt"
 python3 -c "import torch, cutlass; print(torch.__version__, torch.version.cuda, cutlass.__version__)" \
   >> "$OUT/summary.txt" 2>&1
-stage() {  # stage NAME LOG SECONDS COMMAND...
-  local name=$1 log=$2 limit=$3; shift 3
-  echo "=== $name" | tee -a "$OUT/summary.txt"
-  timeout "$limit" "$@" >> "$OUT/$log.log" 2>&1
-  echo "rc=$? $(tail -n 3 "$OUT/$log.log" | tr '\n' ' ' | cut -c1-400)" | tee -a "$OUT/summary.txt"
+
+wants() { [[ " $STAGES " == *" $1 "* ]]; }
+# job NAME SECONDS DIR COMMAND...: runs in the background in DIR, logs to logs/NAME.log.
+job() {
+  local name=$1 limit=$2 dir=$3; shift 3
+  (
+    cd "$dir" && timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+    echo "$name rc=$? $(tail -n 1 "$OUT/logs/$name.log" | cut -c1-300)" >> "$OUT/summary.txt"
+  ) &
 }
-PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
-# The window file JITs many keys: about 2-3 minutes on the H200's host.
-stage window tests "${T_WINDOW:-180}" $PYTEST tests/gpu/test_kernels_window.py
-# Fall back only on reported failures (a stage cut off by its time limit failed nothing).
-if grep -q -E "^FAILED|^ERROR|[0-9]+ (failed|error)" "$OUT/tests.log"; then
-  # FALLBACK_DIR holds the last window-family sources that passed on this GPU.
-  if [ -n "${FALLBACK_DIR:-}" ]; then
-    cp "$FALLBACK_DIR"/window.py "$FALLBACK_DIR"/common.py csa_ops/kernels/
-    echo "FALLBACK: window family reverted to $FALLBACK_DIR" | tee -a "$OUT/summary.txt"
-    stage window-fallback tests "${T_WINDOW:-180}" $PYTEST tests/gpu/test_kernels_window.py
+# run NAME SECONDS DIR COMMAND...: the same in the foreground (timing stages run alone).
+run() { job "$@"; wait; }
+
+T=${T_TESTS:-330}
+if wants tests; then
+  for i in 0 1 2; do
+    job "window-$i" "$T" "$ROOT" env CSA_TEST_SHARD=$i/3 $PYTEST tests/gpu/test_kernels_window.py
+  done
+  if [ -n "${CAND_DIR:-}" ]; then
+    for i in 0 1; do
+      job "cand-window-$i" "$T" "$CAND_DIR" env PYTHONPATH="$CAND_DIR:$PYTHONPATH" \
+        CSA_TEST_SHARD=$i/2 $PYTEST tests/gpu/test_kernels_window.py
+    done
   fi
+  job streaming "$T" "$ROOT" $PYTEST tests/gpu/test_kernels_streaming.py
+  job op "$T" "$ROOT" $PYTEST tests/gpu/test_op_gpu.py
+  job graphs "$T" "$ROOT" $PYTEST tests/gpu/test_graphs.py
+  job lowering "$T" "$ROOT" $PYTEST tests/gpu/test_lowering_gpu.py
 fi
-stage op-tests tests "${T_TESTS:-150}" $PYTEST tests/gpu/test_kernels_streaming.py \
-  tests/gpu/test_op_gpu.py tests/gpu/test_graphs.py
-stage bench bench "${T_BENCH:-150}" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
-  --out "$OUT/bench" --shapes "${BENCH_SHAPES:-r4c2_1x8192_d128,r4c2_3x8192_d512,r128c2_1x131072_d512}" \
-  --skip "[extern],[generate],+RMSNorm"
-stage overhead timing 25 python3 tests/gpu/time_overhead.py
-stage lowering lowering "${T_LOWERING:-100}" $PYTEST tests/gpu/test_lowering_gpu.py
-stage sweep timing "${T_SWEEP:-60}" python3 tests/gpu/time_kernels.py --sweep --only "1x8192 d128 r4 c2"
+if wants sanitize; then
+  # Without the caching allocator every tensor is its own allocation, so memcheck sees any
+  # access past a tensor's end.
+  job sanitize "$T" "$ROOT" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
+    --tool memcheck --error-exitcode 99 $PYTEST -k adversarial \
+    tests/gpu/test_kernels_window.py tests/gpu/test_kernels_streaming.py
+fi
+wait
+
+wants overhead && run overhead 90 "$ROOT" python3 tests/gpu/time_overhead.py "$OUT/overhead.json"
+if wants kernels; then
+  IFS=, read -ra shapes <<< "${KERNEL_SHAPES:-1x8192 d128 r4 c2,3x8192 d512 r4 c2}"
+  for shape in "${shapes[@]}"; do
+    tag=${shape// /_}
+    run "kernels-$tag" 60 "$ROOT" python3 tests/gpu/time_kernels.py --only "$shape"
+    [ -n "${CAND_DIR:-}" ] && run "cand-kernels-$tag" 60 "$CAND_DIR" \
+      env PYTHONPATH="$CAND_DIR:$PYTHONPATH" python3 tests/gpu/time_kernels.py --only "$shape"
+  done
+fi
+if wants ncu; then
+  run ncu 150 "$ROOT" ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis python3 tests/gpu/profile_once.py
+fi
+if wants bench; then
+  run bench "${T_BENCH:-400}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
+    --out "$OUT/bench" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
+    ${BENCH_SKIP:+--skip "$BENCH_SKIP"}
+fi
 cat "$OUT/summary.txt"
+# Failures first, then every log's tail, so the call's output tail carries the essentials.
+grep -h -E "^(FAILED|ERROR)|Error|error:" "$OUT"/logs/*.log | sort | uniq -c | head -40
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -39,6 +39,44 @@ def _per_call_us(fn, calls=2000):
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
+    """Per-call cost of each layer of the forward path (host time: the kernel is tiny)."""
+    from csa_ops import host, launcher, validation
+
+    key, _, _ = host._resolve(kv, ratio, coff, kv.shape[1] // coff, backward=False)
+    entry = host._CACHE.get("fwd", key)
+    signature = host.launch_signature("fwd", key)
+    out = torch.empty(rows, kv.shape[1] // coff, device="cuda", dtype=kv.dtype)
+    values = [t.data_ptr() for t in (kv, score, ape, cu, cuc, out, ape)]
+    values += [kv.shape[0], rows, cu.numel() - 1, 64]
+    stream = torch.cuda.current_stream().cuda_stream
+    public = launcher.PublicLauncher(entry.kernel, signature)
+    prepacked = launcher.PrepackedLauncher(entry.kernel, signature)
+    return {
+        "validation_us": _per_call_us(lambda: validation.check_arguments(
+            kv, score, ape, cu, cuc, ratio, coff, rows)),
+        "host_forward_us": _per_call_us(lambda: host.compressor_forward(
+            kv, score, ape, cu, cuc, ratio, coff, rows)),
+        "launch_public_us": _per_call_us(lambda: public(values, stream)),
+        "launch_prepacked_us": _per_call_us(lambda: prepacked(values, stream)),
+        "launcher_in_use": type(entry.launch).__name__,
+    }
+
+
+def _print_profile(fn, calls=2000):
+    """Where the host time of one call goes, by function (cProfile, own time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def main():
     kv, score, ape, cu, cuc, ratio, coff, rows, grad_out = _inputs()
     forward = lambda: torch.ops.csa.compressor(kv, score, ape, cu, cuc, ratio, coff, rows)  # noqa: E731
@@ -46,6 +84,11 @@ def main():
         grad_out, kv, score, ape, cu, cuc, ratio, coff)
     result = {"forward_us_per_call": _per_call_us(forward),
               "backward_us_per_call": _per_call_us(backward)}
+    result.update(_breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out))
+    kv_grad = kv.detach().requires_grad_()
+    result["forward_backward_autograd_us"] = _per_call_us(
+        lambda: torch.ops.csa.compressor(kv_grad, score, ape, cu, cuc, ratio, coff, rows)
+        .backward(grad_out), calls=500)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(200):
             forward()
@@ -55,6 +98,7 @@ def main():
         if event.key in ("csa::compressor", "csa::compressor_backward"):
             result[f"profiler_cpu_us[{event.key}]"] = event.cpu_time_total / event.count
     print(json.dumps(result, indent=2))
+    _print_profile(forward)
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f, indent=2)
