@@ -38,9 +38,43 @@ def div_rn(a: Float32, b: Float32) -> Float32:
 
 
 @cute.jit
+def fma_rn(a: Float32, b: Float32, c: Float32) -> Float32:
+    return cute.math.fma(a, b, c, rounding=_RN)
+
+
+@cute.jit
 def max_nan(a: Float32, b: Float32) -> Float32:
-    # torch.amax propagates NaN; max.f32 would drop it.
-    return cute.math.max(a, b, propagate_nan=True)
+    # torch.amax propagates NaN (max.NaN.f32; plain max.f32 would drop it). The sign of a
+    # zero maximum may differ from torch's, which cannot change exp(l - m) for any l.
+    return cute.arch.fmax(a, b, nan=True)
+
+
+# Below this, quotient residuals may underflow and the reciprocal shortcut may misround.
+_MARKSTEIN_MIN = 2.0**-96
+
+
+@cute.jit
+def divide_into(rE: cute.Tensor, rP: cute.Tensor, s: Float32, n: cutlass.Constexpr[int]):
+    """rP[k] = RN(rE[k] / s) for s in [1, inf) (a softmax denominator), as div.rn would.
+
+    One IEEE reciprocal r = RN(1/s) per column; per k, q = RN(e*r) and two corrections
+    q <- RN(q + RN(e - q*s)*r): the first makes q faithful, the second correctly rounded
+    (Markstein's theorem; it needs no underflow, so a column holding a tiny e_k, zeros
+    included, takes div.rn throughout).
+    """
+    # One compare per column; zeros (invalid entries) also take the exact path: rare.
+    low = rE[0]
+    for k in cutlass.range_constexpr(1, n):
+        low = cute.arch.fmin(low, rE[k])
+    if low < _MARKSTEIN_MIN:
+        for k in cutlass.range_constexpr(n):
+            rP[k] = div_rn(rE[k], s)
+    else:
+        r = div_rn(Float32(1.0), s)
+        for k in cutlass.range_constexpr(n):
+            q = mul_rn(rE[k], r)
+            q = fma_rn(fma_rn(-q, s, rE[k]), r, q)  # now faithful
+            rP[k] = fma_rn(fma_rn(-q, s, rE[k]), r, q)  # Markstein: correctly rounded
 
 
 @cute.jit
@@ -76,20 +110,26 @@ def locate_row(
     n: Int32,
     ratio: cutlass.Constexpr[int],
 ):
-    """(valid, t0, first_block) of output row n.
+    """(valid, t0, first_block, s, u0, u1) of output row n.
 
     valid needs n inside its segment's row range and the row's `ratio` tokens inside both
-    the segment and [0, num_tokens); t0 is then the row's first own token.
+    the segment and [0, num_tokens); t0 is then the row's first own token. s >= 0 and
+    u0 >= 0 whenever (u0, u1) = (cu[s], cu[s+1]) were read; else s = -1.
     """
     s = count_le(cuc, num_segs, n) - 1
     valid = Boolean(False)
     t0 = Int32(0)
     first = Boolean(False)
+    u0 = Int32(0)
+    u1 = Int32(0)
+    seg = Int32(-1)
     if s >= 0:
         c0 = cuc[s]
         c1 = cuc[s + 1]
         u0 = cu[s]
         u1 = cu[s + 1]
+        if u0 >= 0:
+            seg = s
         if c0 <= n and n < c1 and u0 >= 0:  # noqa: PLR1716  (DSL: no chained compares)
             block = Int64(n) - Int64(c0)
             end = Int64(u0) + (block + 1) * ratio
@@ -97,7 +137,33 @@ def locate_row(
                 valid = Boolean(True)
                 t0 = Int32(end - ratio)
                 first = block == 0
-    return valid, t0, first
+    return valid, t0, first, seg, u0, u1
+
+
+@cute.jit
+def segment_bounds(
+    cuc: cute.Tensor,
+    s: Int32,
+    u0: Int32,
+    u1: Int32,
+    num_tokens: Int32,
+    num_rows: Int32,
+    ratio: cutlass.Constexpr[int],
+):
+    """(seg_end, own_from, prev_from) of segment s with tokens [u0, u1), u0 >= 0.
+
+    Tokens t in [u0, seg_end) feed no row with their own-block columns iff t >= own_from,
+    and none with their previous-half columns (coff 2) iff t >= prev_from. The exact
+    mirror of locate_row: rows need c0 <= n < min(c1, num_rows) and whole blocks in
+    [u0, min(u1, num_tokens)).
+    """
+    end = cutlass.min(u1, num_tokens)
+    c0 = Int64(cuc[s])
+    blocks = cutlass.min(Int64(cuc[s + 1]) - c0, Int64((end - u0) // ratio))
+    blocks = cutlass.min(blocks, Int64(num_rows) - c0)
+    blocks = cutlass.max(blocks, Int64(0))
+    own_from = u0 + Int32(blocks) * ratio
+    return end, own_from, own_from - ratio
 
 
 @cute.jit
@@ -110,12 +176,7 @@ def token_bounds(
     t: Int32,
     ratio: cutlass.Constexpr[int],
 ):
-    """(seg_end, own_from, prev_from) for token t: the exact mirror of locate_row.
-
-    Tokens u in [t, seg_end) share t's segment; there, u's own-block columns feed no row iff
-    u >= own_from, and its previous-half columns (coff 2) feed no row iff u >= prev_from.
-    A token outside every segment gets (t + 1, t, t): nothing of it is consumed.
-    """
+    """segment_bounds of token t's segment (binary search); (t + 1, t, t) outside all."""
     seg_end = t + 1
     own_from = t
     prev_from = t
@@ -124,14 +185,8 @@ def token_bounds(
         u0 = cu[s]
         u1 = cu[s + 1]
         if u0 >= 0 and u0 <= t and t < u1:  # noqa: PLR1716
-            end = cutlass.min(u1, num_tokens)
-            c0 = Int64(cuc[s])
-            blocks = cutlass.min(Int64(cuc[s + 1]) - c0, Int64((end - u0) // ratio))
-            blocks = cutlass.min(blocks, Int64(num_rows) - c0)
-            blocks = cutlass.max(blocks, Int64(0))
-            seg_end = end
-            own_from = u0 + Int32(blocks) * ratio
-            prev_from = own_from - ratio
+            seg_end, own_from, prev_from = segment_bounds(
+                cuc, s, u0, u1, num_tokens, num_rows, ratio)
     return seg_end, own_from, prev_from
 
 

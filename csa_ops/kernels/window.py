@@ -53,6 +53,8 @@ class _Geometry:
         self.threads = self.cvc * self.rpc
         self.ragged_cols = self.cvc * self.ny != self.tpr
         self.E = self.R * self.C * self.D  # grad_ape elements
+        # Knob: CTAs per SM the register allocation must allow (0: compiler's choice).
+        self.min_ctas = key.knob("min_ctas", 0)
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
@@ -94,13 +96,24 @@ def _probs(g, rKV, rS, sApe, i, cvl, first):
     m = logits[0]
     for k in range(1, g.W):
         m = cm.max_nan(m, logits[k])
-    e = [cm.exp_accurate(cm.sub_rn(lk, m)) for lk in logits]
-    s = e[0]
+    rE = cute.make_rmem_tensor((g.W,), Float32)
+    rP = cute.make_rmem_tensor((g.W,), Float32)
+    for k in range(g.W):
+        rE[k] = cm.exp_accurate(cm.sub_rn(logits[k], m))
+    s = rE[0]
     for k in range(1, g.W):
-        s = cm.add_rn(s, e[k])
-    p = [cm.div_rn(ek, s) for ek in e]
+        s = cm.add_rn(s, rE[k])
+    cm.divide_into(rE, rP, s, g.W)
+    p = [rP[k] for k in range(g.W)]
     v = [Float32(rKV[i, k]) for k in range(g.W)]
     return p, v
+
+
+def _ape_layout(g: _Geometry):
+    # Row-major (W, cvc*V): stage_ape writes it through raw offsets, and a thread's V
+    # columns of one entry are contiguous for vector reads. (make_layout defaults to
+    # column-major.)
+    return cute.make_layout((g.W, g.cvc * g.V), stride=(g.cvc * g.V, 1))
 
 
 def _window_io(g: _Geometry):
@@ -127,16 +140,19 @@ def _window_io(g: _Geometry):
 
     @cute.jit
     def stage_ape(p_ape, sApe, by, tid):
-        """The CTA's column chunk of ape, (W, cvc*V) fp32, into shared memory."""
-        mApe = cute.make_tensor(p_ape, g.E)
-        for e in cutlass.range(tid, g.W * g.cvc * g.V, g.threads):
-            k = e // (g.cvc * g.V)
-            c = e % (g.cvc * g.V)
-            col = by * (g.cvc * g.V) + c
-            val = Float32(0.0)
-            if col < g.D:
-                val = mApe[ape_base(k) + col]
-            sApe[k, c] = val
+        """The CTA's column chunk of ape, (W, cvc*V) fp32, into shared memory: thread
+        (row r, column vector c) copies entries k = r, r + rpc, ... of vector c."""
+        cvl = tid % g.cvc
+        ry = tid // g.cvc
+        cv = by * g.cvc + cvl
+        if not g.ragged_cols or cv < g.tpr:
+            for kk in cutlass.range_constexpr(-(-g.W // g.rpc)):
+                k = ry + kk * g.rpc
+                if k < g.W:
+                    src = cute.assume(ape_base(k) + cv * g.V, divby=g.V)
+                    dst = cute.assume(k * (g.cvc * g.V) + cvl * g.V, divby=g.V)
+                    cute.autovec_copy(cute.make_tensor(p_ape + src, g.V),
+                                      cute.make_tensor(sApe.iterator + dst, g.V))
         cute.arch.sync_threads()
 
     @cute.jit
@@ -176,16 +192,22 @@ def _build_forward(key: KernelKey):
         cu = cute.make_tensor(p_cu, num_segs + 1)
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
         smem = SmemAllocator()
-        sApe = smem.allocate_tensor(Float32, cute.make_layout((g.W, g.cvc * g.V)), 16)
+        sApe = smem.allocate_tensor(Float32, _ape_layout(g), 16)
+        rKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        rS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        active = n < num_rows and (not g.ragged_cols or cv < g.tpr)
+        valid = cutlass.Boolean(False)
+        first = cutlass.Boolean(False)
+        if active:
+            valid, t0, first, _, _, _ = cm.locate_row(cu, cuc, num_segs, num_tokens, n, g.R)
+            if valid:
+                # Issued before the ape barrier so the window's DRAM latency overlaps it.
+                load_window(p_kv, p_score, rKV, rS, t0, first, cv)
         stage_ape(p_ape, sApe, by, tid)
-        if n < num_rows and (not g.ragged_cols or cv < g.tpr):
-            valid, t0, first = cm.locate_row(cu, cuc, num_segs, num_tokens, n, g.R)
+        if active:
             rO = cute.make_rmem_tensor((g.V,), g.dtype)
             rO.fill(0.0)
             if valid:
-                rKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
-                rS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
-                load_window(p_kv, p_score, rKV, rS, t0, first, cv)
                 for i in cutlass.range_constexpr(g.V):
                     p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
                     acc = cm.mul_rn(p[0], v[0])
@@ -220,12 +242,23 @@ def _build_backward(key: KernelKey):
         cute.autovec_copy(rZ, cute.make_tensor(p_dst + cute.assume(off, divby=g.V), g.V))
 
     @cute.jit
-    def zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv):
-        """Zeroes the never-consumed elements of tokens [slot*R, slot*R + R), column cv."""
+    def zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv, s, u0, u1):
+        """Zeroes the never-consumed elements of tokens [slot*R, slot*R + R), column cv.
+
+        (s, u0, u1): the segment row `slot` fell in (s < 0: none), which usually also
+        holds the chunk and then spares a binary search.
+        """
         if Int64(slot) * g.R < Int64(num_tokens):
             t_first = slot * g.R
-            seg_end, own_from, prev_from = cm.token_bounds(
-                cu, cuc, num_segs, num_tokens, num_rows, t_first, g.R)
+            seg_end = t_first
+            own_from = t_first
+            prev_from = t_first
+            if s >= 0 and u0 <= t_first and t_first < u1:  # noqa: PLR1716
+                seg_end, own_from, prev_from = cm.segment_bounds(
+                    cuc, s, u0, u1, num_tokens, num_rows, g.R)
+            else:
+                seg_end, own_from, prev_from = cm.token_bounds(
+                    cu, cuc, num_segs, num_tokens, num_rows, t_first, g.R)
             for k in cutlass.range_constexpr(g.R):
                 t = t_first + k
                 if t < num_tokens:
@@ -279,7 +312,7 @@ def _build_backward(key: KernelKey):
         cu = cute.make_tensor(p_cu, num_segs + 1)
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
         smem = SmemAllocator()
-        sApe = smem.allocate_tensor(Float32, cute.make_layout((g.W, g.cvc * g.V)), 16)
+        sApe = smem.allocate_tensor(Float32, _ape_layout(g), 16)
         # Thread-major partials: conflict-free, and each thread owns its column of them.
         sAcc = smem.allocate_tensor(Float32, cute.make_layout((g.W * g.V, g.threads),
                                                               stride=(g.threads, 1)), 16)
@@ -289,12 +322,17 @@ def _build_backward(key: KernelKey):
         num_slots = cutlass.max((num_tokens + (g.R - 1)) // g.R, num_rows)
         if not g.ragged_cols or cv < g.tpr:
             for slot in cutlass.range(bx * g.rpc + tid // g.cvc, num_slots, gx * g.rpc):
+                seg = Int32(-1)
+                u0 = Int32(0)
+                u1 = Int32(0)
                 if slot < num_rows:
-                    valid, t0, first = cm.locate_row(cu, cuc, num_segs, num_tokens, slot, g.R)
+                    valid, t0, first, seg, u0, u1 = cm.locate_row(cu, cuc, num_segs,
+                                                                  num_tokens, slot, g.R)
                     if valid:
                         row_grads(p_gout, p_kv, p_score, p_gkv, p_gs, sApe, sAcc, t0, first,
                                   slot, cv, cvl, tid)
-                zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv)
+                zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv,
+                           seg, u0, u1)
         cute.arch.sync_threads()
         # Fixed-order sum over the CTA's rows of threads: one partial per CTA.
         mWork = cute.make_tensor(p_work, gx * g.E)
@@ -303,7 +341,7 @@ def _build_backward(key: KernelKey):
             c = e % (g.cvc * g.V)
             j = k * g.V + c % g.V
             total = sAcc[j, c // g.V]
-            for r in cutlass.range(1, g.rpc):
+            for r in cutlass.range(1, g.rpc, unroll=8):
                 total = cm.add_rn(total, sAcc[j, r * g.cvc + c // g.V])
             col = by * (g.cvc * g.V) + c
             if col < g.D:
@@ -323,7 +361,8 @@ def _build_backward(key: KernelKey):
         mWork = cute.make_tensor(p_work, num_parts * g.E)
         mGape = cute.make_tensor(p_gape, g.E)
         smem = SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((_FIN_SPLIT, 32)), 16)
+        sPart = smem.allocate_tensor(Float32, cute.make_layout((_FIN_SPLIT, 32), stride=(32, 1)),
+                                       16)
         total = Float32(0.0)
         if q < g.E:
             for x in cutlass.range(w, num_parts, _FIN_SPLIT, unroll=4):
@@ -345,7 +384,9 @@ def _build_backward(key: KernelKey):
         smem_bytes = (g.W * g.cvc * g.V + g.W * g.V * g.threads) * 4 + 64
         kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work, num_tokens,
                num_rows, num_segs).launch(grid=(grid, g.ny, 1), block=(g.threads, 1, 1),
-                                          smem=smem_bytes, stream=stream)
+                                          smem=smem_bytes, stream=stream,
+                                          min_blocks_per_mp=g.min_ctas,
+                                          preferred_smem_carveout=100 if g.min_ctas else None)
         finalize(p_work, p_gape, grid).launch(grid=((g.E + 31) // 32, 1, 1),
                                               block=(32 * _FIN_SPLIT, 1, 1),
                                               smem=_FIN_SPLIT * 32 * 4 + 64, stream=stream)
