@@ -121,3 +121,22 @@ def test_check_rejects_wrong_outputs(variants):
     nan[3, 3] = float("nan")
     assert not variants.check(nan, (want,), tol)[0]
     assert not variants.check(want[:-1], (want,), tol)[0]
+
+
+def test_merge_joins_runs_of_one_stack_only(bench_run, tmp_path):
+    out, _ = bench_run
+    run = json.loads((out / "results.json").read_text())
+    merged_dir = tmp_path / "merged"
+    cmd = [sys.executable, str(BENCH / "merge_results.py"), str(out / "results.json"),
+           str(out / "results.json"), "--out", str(merged_dir), "--no-plot"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = json.loads((merged_dir / "results.json").read_text())
+    assert len(merged["results"]) == 2 * len(run["results"])
+    assert len(merged["meta"]["runs"]) == 2
+    other = json.loads(json.dumps(run))
+    other["meta"]["torch"] = "0.0.0"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    cmd[3] = str(tmp_path / "other.json")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert done.returncode != 0 and "differ in ['torch']" in done.stderr

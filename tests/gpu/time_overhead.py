@@ -52,7 +52,21 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
     stream = torch.cuda.current_stream().cuda_stream
     public = launcher.PublicLauncher(entry.kernel, signature)
     prepacked = launcher.PrepackedLauncher(entry.kernel, signature)
+    # torch's own per-call cost on this host: no-op ops registered both ways.
+    @torch.library.custom_op("csa_overhead::custom_noop", mutates_args=())
+    def custom_noop(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(0)
+
+    library = torch.library.Library("csa_overhead", "FRAGMENT")
+    library.define("library_noop(Tensor x) -> Tensor")
+    library.impl("library_noop", lambda x: x.new_empty(0), "CUDA")
+    from csa_ops import ops
+
     return {
+        "custom_op_noop_us": _per_call_us(lambda: torch.ops.csa_overhead.custom_noop(kv)),
+        "library_noop_us": _per_call_us(lambda: torch.ops.csa_overhead.library_noop(kv)),
+        "cuda_impl_direct_us": _per_call_us(lambda: ops._compressor_cuda(
+            kv, score, ape, cu, cuc, ratio, coff, rows)),
         "validation_us": _per_call_us(lambda: validation.check_arguments(
             kv, score, ape, cu, cuc, ratio, coff, rows)),
         "host_forward_us": _per_call_us(lambda: host.compressor_forward(
