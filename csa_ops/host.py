@@ -296,8 +296,9 @@ def _launch(direction: str, key: KernelKey, plan: LaunchPlan, tensors: list[torc
     values.append(work.data_ptr())
     values.extend(sizes)
     values.append(plan.grid)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    if device.index is None or device.index == torch.cuda.current_device():
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = launcher.current_stream_handle(index)
+    if index == torch.cuda.current_device():
         launch(values, stream)
         return
     # The DSL launches into the current context: make it the tensors' device for this call.

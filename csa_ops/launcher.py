@@ -6,6 +6,7 @@ adapters into a list of C addresses (about 10 us for our 12-15 arguments, plus b
 the Int32 and stream objects). Our argument list never changes shape, so `PrepackedLauncher`
 builds that address list once, pointing at ctypes slots it owns, and per call only stores
 the new values into the slots before handing the list to ``compiled.run_compiled_program``.
+`current_stream_handle` reads the stream through torch's raw query under the same switch.
 
 That layout (one address per argument, pointing at the pointer/int32/stream value) is a DSL
 internal. It is checked, never assumed: `make_launcher` asks the DSL to convert a template
@@ -110,6 +111,21 @@ class PrepackedLauncher:
                 slot.value = value
             slots[-1].value = stream
             self._run(self._addresses)
+
+
+def _public_stream_handle(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _stream_handle_function():
+    """torch's raw current-stream query (what Inductor's generated code calls), or the public
+    route when this torch lacks it or the kill switch is off: the public call builds a
+    torch.cuda.Stream object per launch, a few microseconds."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw if PREPACKED and raw is not None else _public_stream_handle
+
+
+current_stream_handle = _stream_handle_function()
 
 
 def _template(signature: Sequence[tuple]) -> tuple[list[int], int]:

@@ -122,7 +122,15 @@ def test_kill_switch_reads_the_environment(monkeypatch):
 
     monkeypatch.setenv("CSA_OPS_PREPACKED_LAUNCH", "0")
     try:
-        assert importlib.reload(launcher).PREPACKED is False
+        reloaded = importlib.reload(launcher)
+        assert reloaded.PREPACKED is False
+        assert reloaded.current_stream_handle is reloaded._public_stream_handle
     finally:
         monkeypatch.delenv("CSA_OPS_PREPACKED_LAUNCH")
-        assert importlib.reload(launcher).PREPACKED is True
+        reloaded = importlib.reload(launcher)
+        assert reloaded.PREPACKED is True
+
+
+def test_stream_handle_falls_back_without_the_raw_query(monkeypatch):
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream", raising=False)
+    assert launcher._stream_handle_function() is launcher._public_stream_handle

@@ -239,3 +239,13 @@ def test_meta_tensors_give_output_shapes():
     grads = torch.ops.csa.compressor_backward(_meta(9, SPEC.head_dim), _meta(T, WIDTH),
                                               _meta(T, WIDTH), _meta(2, WIDTH), cu, cu, 2, 2)
     assert [tuple(g.shape) for g in grads] == [(T, WIDTH), (T, WIDTH), (2, WIDTH)]
+
+
+def test_double_backward_says_it_is_not_implemented():
+    pack = make_pack(SPEC)
+    kv = pack.kv.detach().requires_grad_()
+    out = torch.ops.csa.compressor(kv, pack.score, pack.ape, pack.cu_seqlens,
+                                   pack.cu_seqlens_comp, SPEC.ratio, SPEC.coff, SPEC.capacity)
+    (grad_kv,) = torch.autograd.grad(out.sum(), kv, create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"csa\.compressor_backward: double backward"):
+        grad_kv.sum().backward()

@@ -10,6 +10,7 @@ per CTA in the workspace, then a second kernel that sums the partials in a fixed
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import tempfile
 
@@ -66,13 +67,19 @@ class _Geometry:
                 self.entries.append((k - self.R, self.D, (k - self.R) * 2 * self.D + self.D, False))
 
 
+@functools.lru_cache(maxsize=256)
+def _geometry(key: KernelKey) -> _Geometry:
+    # Plans run on every launch: build each key's geometry once.
+    return _Geometry(key)
+
+
 def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    g = _Geometry(key)
+    g = _geometry(key)
     return LaunchPlan(grid=max(1, -(-num_rows // g.rpc)))
 
 
 def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    g = _Geometry(key)
+    g = _geometry(key)
     slots = max(-(-num_tokens // g.R), num_rows)
     grid = max(1, min(-(-slots // g.rpc), max(1, num_sms * _CTAS_PER_SM // g.ny)))
     return LaunchPlan(grid=grid, workspace=grid * g.E)

@@ -206,3 +206,13 @@ def test_concurrent_first_calls_compile_once():
     for out in results:
         torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-3)
         assert torch.equal(out, results[0])
+
+
+def test_launch_stream_is_the_callers_current_stream():
+    from csa_ops import launcher
+
+    index = torch.cuda.current_device()
+    assert launcher.current_stream_handle(index) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert launcher.current_stream_handle(index) == side.cuda_stream != 0
