@@ -4,8 +4,8 @@
 # the GPU. Usage on the device machine, after the README's DSL unpack:
 #   bash tests/gpu/run_h200.sh
 # Environment:
-#   STAGES        subset of "tests sanitize overhead kernels ncu bench" (default: the first
-#                 four)
+#   STAGES        subset of "tests sanitize overhead kernels ncu bench lbench" (default: the
+#                 first four)
 #   CAND_DIR      a tree with candidate sources: its window-family tests run beside ours and
 #                 the kernels stage times both
 #   KERNEL_SHAPES time_kernels.py --only filters (comma separated)
@@ -72,13 +72,18 @@ if wants kernels; then
   done
 fi
 if wants ncu; then
-  run ncu 150 "$ROOT" ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
+  run ncu 150 "$ROOT" ncu -k regex:kernel_cutlass --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 tests/gpu/profile_once.py
 fi
 if wants bench; then
   run bench "${T_BENCH:-400}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
     --out "$OUT/bench" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
     ${BENCH_SKIP:+--skip "$BENCH_SKIP"}
+fi
+if wants lbench; then  # the lowering modes' rows (issue 6): extern, generate, auto +RMSNorm
+  run lbench "${T_LBENCH:-330}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
+    --out "$OUT/bench-lowering" --variants "[extern],[generate],+RMSNorm" \
+    --shapes "${LBENCH_SHAPES:-r4c2_1x8192_d128,r4c2_3x8192_d512,r128c1_1x65536_d128}"
 fi
 cat "$OUT/summary.txt"
 # Failures first, then every log's tail, so the call's output tail carries the essentials.
