@@ -3,7 +3,8 @@
     python bench/merge_results.py RUN1/results.json RUN2/results.json --out bench/out/merged
 
 For runs split over several device sessions: every run must come from the same GPU and
-software stack (checked), the merged meta keeps each run's own stamp and copy bandwidth.
+software stack (checked), the merged meta keeps each run's own stamp and copy bandwidth,
+and a row measured again in a later run replaces the earlier one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ def merge(runs: list[dict]) -> dict:
             raise ValueError(f"merge: runs differ in {differs}; refusing to mix them")
     meta = dict(first)
     meta["runs"] = [run["meta"] for run in runs]
-    rows = [row for run in runs for row in run["results"]]
+    # A (shape, variant) measured again in a later run replaces the earlier row (a re-run
+    # after a policy change); first-seen order is kept.
+    latest: dict[tuple[str, str], dict] = {}
+    for run in runs:
+        for row in run["results"]:
+            latest[(row["shape"], row["variant"])] = row
+    rows = list(latest.values())
     report.add_derived(rows)
     return {"meta": meta, "results": rows}
 

@@ -34,6 +34,14 @@ def _head_dim_fn(kv, coff):
     return lambda: _static(kv.get_size()[1]) // coff
 
 
+def _static_tokens(size) -> int | None:
+    """The token count when it is a compile-time constant (no guard is added), else None."""
+    try:
+        return int(size)
+    except TypeError:  # a symbolic size
+        return None
+
+
 def _generate_or_fall_back(op, build, args):
     """Under "auto" a failure to build the IR (an Inductor internal that changed) falls back
     to the extern call; a forced "generate" surfaces it."""
@@ -51,7 +59,7 @@ def _lower_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
     ratio, coff = _static(ratio), _static(coff)
     args = (kv, score, ape, cu, cuc, ratio, coff, total_comp)
     path = policy.choose("fwd", kv.get_device(), kv.get_dtype(), ratio, coff,
-                         _head_dim_fn(kv, coff))
+                         _head_dim_fn(kv, coff), _static_tokens(kv.get_size()[0]))
     if path == "extern" or total_comp is None:
         return _extern(FWD, *args)
     return _generate_or_fall_back(FWD, lambda: _generate.forward(
@@ -75,7 +83,8 @@ def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=N
         return NotImplemented
     # int() specialises a symbolic width; only asked for when the answer depends on it.
     head_dim = lambda: int(kv.shape[1]) // coff
-    if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim) == "extern":
+    tokens = kv.shape[0] if isinstance(kv.shape[0], int) else None
+    if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim, tokens) == "extern":
         return NotImplemented
     rows = cuc[-1].item()
     torch._check(rows >= 0)

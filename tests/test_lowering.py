@@ -90,6 +90,23 @@ def test_mode_validates_and_retags_caches():
         assert lowering.mode == "extern"
 
 
+@pytest.mark.parametrize(("ratio", "coff", "head_dim", "tokens", "wins"), [
+    (4, 2, 128, 8192, True), (4, 1, 128, 8192, True), (8, 2, 64, 100, True),
+    (4, 2, 128, 8193, False), (4, 2, 128, None, False), (4, 2, 256, 8192, False),
+    (16, 2, 128, 8192, False), (128, 1, 128, 8192, False)])
+def test_auto_forward_rule_on_a_supported_gpu(monkeypatch, ratio, coff, head_dim, tokens, wins):
+    # A pretend GPU where the CuTe kernels run everything: only the measured rule decides.
+    monkeypatch.setattr(lowering.policy, "extern_kernel_supports", lambda *args: True)
+    gpu = torch.device("cuda", 0)
+    with use_lowering_mode("auto"):
+        forward = lowering.policy.choose("fwd", gpu, torch.bfloat16, ratio, coff, head_dim,
+                                         tokens)
+        backward = lowering.policy.choose("bwd", gpu, torch.bfloat16, ratio, coff, head_dim,
+                                          tokens)
+    assert forward == ("generate" if wins else "extern")
+    assert backward == "extern"
+
+
 def test_auto_generates_on_cpu_and_explicit_modes_win():
     cpu = torch.device("cpu")
     with use_lowering_mode("auto"):

@@ -82,7 +82,7 @@ if wants bench; then
 fi
 if wants lbench; then  # the lowering modes' rows (issue 6): extern, generate, auto +RMSNorm
   run lbench "${T_LBENCH:-330}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
-    --out "$OUT/bench-lowering" --variants "[extern],[generate],+RMSNorm" \
+    --out "$OUT/bench-lowering" --variants "${LBENCH_VARIANTS:-[extern],[generate],+RMSNorm}" \
     --shapes "${LBENCH_SHAPES:-r4c2_1x8192_d128,r4c2_3x8192_d512,r128c1_1x65536_d128}"
 fi
 cat "$OUT/summary.txt"

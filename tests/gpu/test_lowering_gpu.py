@@ -149,7 +149,8 @@ def test_block_modes(mode, compile_env):
     with use_lowering_mode(mode):
         actual, codes = run_and_get_code(_block_step, torch.compile(module, fullgraph=True), x,
                                          cu, cuc, rows)
-        path = {d: lowering.policy.choose(d, x.device, x.dtype, 4, 2, 128) for d in ("fwd", "bwd")}
+        path = {d: lowering.policy.choose(d, x.device, x.dtype, 4, 2, 128, x.shape[0])
+                for d in ("fwd", "bwd")}
     assert len(codes) == 2, f"{len(codes)} compiled modules"
     fwd_code, bwd_code = codes
     for a, e in zip(actual, expected):
@@ -172,13 +173,18 @@ def test_block_modes(mode, compile_env):
 
 
 def test_auto_policy_on_this_gpu():
-    """auto: short-window forwards generate (measured faster); otherwise extern where the
-    CuTe kernels support the configuration (never fp64), generated elsewhere."""
+    """auto: short-window forwards of small static problems generate (measured faster);
+    otherwise extern where the CuTe kernels support the configuration (never fp64),
+    generated elsewhere."""
     dev = torch.device("cuda")
     with use_lowering_mode("auto"):
         choose = lowering.policy.choose
         supports = lowering.policy.extern_kernel_supports
-        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128) == "generate"
+        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128, 8192) == "generate"
+        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128, 3 * 8192) == "extern"
+        assert choose("fwd", dev, torch.bfloat16, 4, 2, 128, None) == "extern"
+        assert choose("fwd", dev, torch.bfloat16, 4, 2, 512, 8192) == "extern"
+        assert choose("bwd", dev, torch.bfloat16, 4, 2, 128, 8192) == "extern"
         assert choose("bwd", dev, torch.float64, 4, 2, 128) == "generate"
         for direction, ratio, coff in (("bwd", 4, 2), ("fwd", 128, 1), ("bwd", 128, 1)):
             expected = "extern" if supports(dev, torch.bfloat16, ratio, coff, 512) else "generate"
