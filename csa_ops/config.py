@@ -93,12 +93,17 @@ def window_key(
     windows trade vector width for registers.
     """
     vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, 64 // (coff * ratio)))
-    if head_dim <= NARROW_HEAD_DIM and coff * ratio <= NARROW_WINDOW_MAX:
-        # Narrow rows give few threads per pack: the kernel is latency-bound, so trade vector
-        # width for threads. H200 sweep, 1x8192 d128 r4 c2 bf16 (bitwise-checked per key):
-        # vec 8 / 128 threads 12.5 us fwd, 18.5 us bwd; vec 2 / 256 threads 6.7 us, 12.5 us.
+    if coff * ratio <= NARROW_WINDOW_MAX and (backward or head_dim <= NARROW_HEAD_DIM):
+        # The kernels are latency-bound: trade vector width for threads (and registers for
+        # occupancy). H200 sweeps, r4 c2 bf16, every key checked against the reference:
+        # 1x8192 d128: vec 8 / 128 threads 12.5 us fwd, 18.5 us bwd; vec 2 / 256: 6.7, 12.5.
+        # 3x8192 d512 bwd: vec 8 / 128 87.3 us, vec 4 / 128 65.0, vec 2 / 256 63.8.
         return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=min(vec, 2),
                          threads=256)
+    if coff * ratio <= NARROW_WINDOW_MAX:
+        # 3x8192 d512 fwd: vec 8 / 128 threads 39.0 us, vec 4 / 128 36.3, vec 2 / 256 39.0.
+        return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=min(vec, 4),
+                         threads=128)
     return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=128)
 
 
