@@ -7,6 +7,7 @@ call, and audits the PTX numerics the bitwise contract rests on.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -52,7 +53,10 @@ def test_precompile_cross_arch(cfg, arch):
 @pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
-    key = window_key(4, 2, 512, "bfloat16", arch, backward)  # vec 8: 16-byte accesses
+    # vec 8: 16-byte accesses (the default keys use narrower vectors; the arithmetic is the
+    # same per element, so this key audits it and the widest access path at once).
+    key = dataclasses.replace(window_key(4, 2, 512, "bfloat16", arch, backward), vec=8,
+                              threads=128)
     text = window.ptx(key, backward)
     assert f".target {arch}" in text
     exps = text.count("ex2.approx.ftz.f32")
@@ -73,17 +77,23 @@ def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
 
 
 def test_wide_windows_trade_vector_width():
-    assert window_key(4, 2, 512, "bfloat16", "sm_90a", True).vec == 8
+    # Past window 8 the register budget sets the vector: 64 elements per tensor per thread.
     assert window_key(16, 2, 512, "bfloat16", "sm_90a", True).vec == 2
+    assert window_key(32, 1, 512, "float16", "sm_90a", False).vec == 2
+    assert window_key(16, 2, 512, "bfloat16", "sm_90a", False).threads == 128
     assert window_key(1, 1, 7, "bfloat16", "sm_90a", False).vec == 1
+
+
+def test_short_windows_trade_vector_width_for_threads():
+    # The H200 sweeps (config.window_key): latency-bound kernels want threads.
+    for head_dim in (128, 512):
+        backward = window_key(4, 2, head_dim, "bfloat16", "sm_90a", True)
+        assert (backward.vec, backward.threads) == (2, 256)
+    assert (window_key(4, 2, 128, "bfloat16", "sm_90a", False).vec,
+            window_key(4, 2, 128, "bfloat16", "sm_90a", False).threads) == (2, 256)
+    wide_forward = window_key(4, 2, 512, "bfloat16", "sm_90a", False)
+    assert (wide_forward.vec, wide_forward.threads) == (4, 128)
     assert window_key(4, 2, 512, "float32", "sm_90a", False).vec == 4
-
-
-def test_narrow_rows_trade_vector_width_for_threads():
-    key = window_key(4, 2, 128, "bfloat16", "sm_90a", False)
-    assert (key.vec, key.threads) == (2, 256)
-    assert window_key(4, 2, 512, "bfloat16", "sm_90a", False).threads == 128
-    assert window_key(16, 2, 128, "bfloat16", "sm_90a", False).threads == 128
 
 
 def test_key_rejects_bad_values():
