@@ -47,7 +47,7 @@ def _host():
     return _HOST[0]
 
 
-_LIB = torch.library.Library("csa", "DEF")  # noqa: TOR901  (see the module docstring)
+_LIB = torch.library.Library("csa", "DEF")  # see the module docstring: not custom_op
 _LIB.define("compressor" + FORWARD_SCHEMA, tags=_TAGS)
 _LIB.define("compressor_backward" + BACKWARD_SCHEMA, tags=_TAGS)
 
