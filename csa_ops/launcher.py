@@ -2,8 +2,8 @@
 
 The public call of a compiled function, ``compiled(*args)``, converts every argument on every
 call: each ``cute.Pointer``, ``cutlass.Int32`` and ``CUstream`` goes through the DSL's
-adapters into a list of C addresses (about 10 us for our 12-15 arguments, plus building
-the Int32 and stream objects). Our argument list never changes shape, so `PrepackedLauncher`
+adapters into a list of C addresses (with building the Int32 and stream objects, 29.7 us
+per launch on the H200's host against 11.2 us prepacked). Our argument list never changes shape, so `PrepackedLauncher`
 builds that address list once, pointing at ctypes slots it owns, and per call only stores
 the new values into the slots before handing the list to ``compiled.run_compiled_program``.
 `current_stream_handle` reads the stream through torch's raw query under the same switch.
@@ -30,9 +30,9 @@ import torch
 
 PREPACKED = os.environ.get("CSA_OPS_PREPACKED_LAUNCH", "1") != "0"
 
-# One argument slot: ("ptr", torch dtype of the pointee, assumed alignment in bytes), or
-# ("i32",) for a cutlass.Int32 scalar. Every kernel signature ends with the stream.
-PointerSlot = tuple[str, torch.dtype, int]
+# A signature is a sequence of argument slots: ("ptr", torch dtype of the pointee, assumed
+# alignment in bytes) or ("i32",) for a cutlass.Int32 scalar; the stream always comes last
+# and is not listed.
 
 
 class _Runtime:
