@@ -122,7 +122,12 @@ class _Compiled(NamedTuple):
 
 
 class _CompileCache:
-    """One cache for all families and directions, guarded against double compiles."""
+    """One cache for all families and directions, guarded against double compiles.
+
+    One lock for all keys, not one per key: the DSL's compiler keeps per-process session
+    state, and two threads compiling different kernels at once fail inside it
+    (nvidia-cutlass-dsl 4.8.1: "Please start a session before accessing session data").
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
