@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import sympy
 import torch
 from torch._inductor import decomposition as inductor_decomp
 from torch._inductor.lowering import fallback_handler, register_lowering
@@ -35,11 +36,9 @@ def _head_dim_fn(kv, coff):
 
 
 def _static_tokens(size) -> int | None:
-    """The token count when it is a compile-time constant (no guard is added), else None."""
-    try:
-        return int(size)
-    except TypeError:  # a symbolic size
-        return None
+    """The token count when it is a compile-time constant, else None; never adds a guard.
+    size: an Inductor IR size (sympy) or a traced tensor's (int or SymInt)."""
+    return int(size) if isinstance(size, (int, sympy.Integer)) else None
 
 
 def _generate_or_fall_back(op, build, args):
@@ -83,7 +82,7 @@ def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=N
         return NotImplemented
     # int() specialises a symbolic width; only asked for when the answer depends on it.
     head_dim = lambda: int(kv.shape[1]) // coff
-    tokens = kv.shape[0] if isinstance(kv.shape[0], int) else None
+    tokens = _static_tokens(kv.shape[0])
     if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim, tokens) == "extern":
         return NotImplemented
     rows = cuc[-1].item()

@@ -413,3 +413,13 @@ def test_bf16_rmsnorm_fusion_matches_eager_with_emulated_casts(compile_env):
         compiled = torch.compile(module, fullgraph=True)(x, cu, cuc, MODULE_SPEC.capacity)
     err = (compiled.double() - eager.double()).abs()
     assert bool((err <= ulp(eager, torch.bfloat16) + 4 * EPS[torch.float32]).all())
+
+
+def test_static_token_counts_never_guard():
+    import sympy
+
+    from csa_ops.lowering._wiring import _static_tokens
+
+    assert _static_tokens(sympy.Integer(8192)) == 8192 and _static_tokens(77) == 77
+    assert _static_tokens(sympy.Symbol("s0")) is None
+    assert _static_tokens(sympy.Symbol("s0") * 4) is None
