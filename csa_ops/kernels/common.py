@@ -191,6 +191,19 @@ def token_bounds(
 
 
 @cute.jit
+def await_upstream(pdl: cutlass.Constexpr[bool]):
+    """Programmatic dependent launch: block until the grids this launch depends on have
+    finished and flushed their writes, then let the next PDL launch in the stream start
+    its CTAs as ours retire. Must precede the kernel's first global read or write (an
+    upstream kernel may produce our inputs, or still read memory we write). A launch
+    without the PDL attribute returns from the wait at once.
+    """
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def pick(cond: cutlass.Boolean, a: Float32, b: Float32) -> Float32:
     """cond ? a : b without a branch."""
     return Float32(cutlass.select_(cond, a, b))

@@ -19,6 +19,7 @@ from cutlass import Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..config import ELEM_BYTES, KernelKey, LaunchPlan, widest_vec
+from . import common as cm
 
 MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
 MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
@@ -136,6 +137,7 @@ class _Streaming:
         self.wpad = 32 * self.kt * self.wpc
         self.stages, self.ctas = key.knob("stages", 1), key.knob("ctas", 1)
         self.fast_exp = bool(key.knob("fast_exp", 0))
+        self.pdl = bool(key.knob("pdl", 1))  # programmatic dependent launch
         # lean: rows whose whole window exists skip the per-entry masks (same results).
         self.lean = bool(key.knob("lean", 0)) and self.wpad == self.w
         self.bwd = backward
@@ -282,6 +284,7 @@ class _Streaming:
                gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32, groups: Int32):
         VEC, CV, S, R, W = self.vec, self.cv, self.stages, self.r, self.w
+        cm.await_upstream(self.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         cb = bid % self.cb
@@ -546,6 +549,7 @@ class _Streaming:
     def combine(self, mWork: cute.Tensor, mGape: cute.Tensor, groups: Int32):
         """grad_ape[e] = sum of the CTA partials: warp w sums groups w, w + 16, ... in order,
         then warp 0 sums the 16 warp sums in order (fixed order, many loads in flight)."""
+        cm.await_upstream(self.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         lane = tid % 32
@@ -578,7 +582,7 @@ class _Streaming:
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, gGo, gGkv, gGsc, gWork, num_tokens,
                     num_rows, num_segs, groups).launch(
             grid=(groups * self.cb, 1, 1), block=(self.nt, 1, 1), stream=stream,
-            min_blocks_per_mp=self.ctas, preferred_smem_carveout=100)
+            min_blocks_per_mp=self.ctas, preferred_smem_carveout=100, use_pdl=self.pdl)
 
     def _rows(self, ptr, rows, cols):
         return cute.zipped_divide(
@@ -618,7 +622,8 @@ class _Streaming:
         mWork = cute.make_tensor(p_work, cute.make_layout(groups * size))
         mGape = cute.make_tensor(p_gape, cute.make_layout(size))
         self.combine(mWork, mGape, groups).launch(
-            grid=((size + 31) // 32, 1, 1), block=(512, 1, 1), stream=stream)
+            grid=((size + 31) // 32, 1, 1), block=(512, 1, 1), stream=stream,
+            use_pdl=self.pdl)
 
 
 def _compile(key: KernelKey, backward: bool):

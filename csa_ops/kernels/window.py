@@ -56,6 +56,11 @@ class _Geometry:
         self.E = self.R * self.C * self.D  # grad_ape elements
         # Knob: CTAs per SM the register allocation must allow (0: compiler's choice).
         self.min_ctas = key.knob("min_ctas", 0)
+        # Knob: launch with programmatic dependent launch (see common.await_upstream).
+        self.pdl = bool(key.knob("pdl", 1))
+        # Knob: 1-D grid with the column chunk fastest, so CTAs resident together read
+        # whole token rows (DRAM pages) instead of one 128-byte chunk of many rows.
+        self.linear = bool(key.knob("linear", 1))
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
@@ -123,6 +128,26 @@ def _ape_layout(g: _Geometry):
     return cute.make_layout((g.W, g.cvc * g.V), stride=(g.cvc * g.V, 1))
 
 
+def _cta_grid(g: _Geometry):
+    """(launch grid, coordinates helper) of a plan's `grid` CTAs per column chunk."""
+
+    @cute.jit
+    def coords():
+        """(bx, by, gx): row-block index, column-chunk index, row blocks in the grid."""
+        if cutlass.const_expr(g.linear):
+            bid, _, _ = cute.arch.block_idx()
+            nb, _, _ = cute.arch.grid_dim()
+            return bid // g.ny, bid % g.ny, nb // g.ny
+        bx, by, _ = cute.arch.block_idx()
+        gx, _, _ = cute.arch.grid_dim()
+        return bx, by, gx
+
+    def launch_grid(grid):
+        return (grid * g.ny, 1, 1) if g.linear else (grid, g.ny, 1)
+
+    return coords, launch_grid
+
+
 def _window_io(g: _Geometry):
     """Window load/store helpers for one geometry (closures: the DSL traces them inline)."""
 
@@ -187,12 +212,14 @@ def _window_io(g: _Geometry):
 def _build_forward(key: KernelKey):
     g = _Geometry(key)
     load_window, _, stage_ape = _window_io(g)
+    cta_coords, launch_grid = _cta_grid(g)
 
     @cute.kernel
     def kernel(p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32):
+        cm.await_upstream(g.pdl)
         tid, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, by, _ = cta_coords()
         cvl = tid % g.cvc
         cv = by * g.cvc + cvl
         n = bx * g.rpc + tid // g.cvc
@@ -230,8 +257,9 @@ def _build_forward(key: KernelKey):
                p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
                grid: Int32, stream: cuda.CUstream):
         kernel(p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens, num_rows,
-               num_segs).launch(grid=(grid, g.ny, 1), block=(g.threads, 1, 1),
-                                smem=g.W * g.cvc * g.V * 4 + 16, stream=stream)
+               num_segs).launch(grid=launch_grid(grid), block=(g.threads, 1, 1),
+                                smem=g.W * g.cvc * g.V * 4 + 16, stream=stream,
+                                use_pdl=g.pdl)
 
     return launch
 
@@ -239,6 +267,7 @@ def _build_forward(key: KernelKey):
 def _build_backward(key: KernelKey):
     g = _Geometry(key)
     load_window, store_window, stage_ape = _window_io(g)
+    cta_coords, launch_grid = _cta_grid(g)
     row_elems = g.C * g.D
     part = g.W * g.cvc * g.V  # grad_ape partials of one row of threads
 
@@ -311,9 +340,9 @@ def _build_backward(key: KernelKey):
     @cute.kernel
     def kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work,
                num_tokens: Int32, num_rows: Int32, num_segs: Int32):
+        cm.await_upstream(g.pdl)
         tid, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
-        gx, _, _ = cute.arch.grid_dim()
+        bx, by, gx = cta_coords()
         cvl = tid % g.cvc
         cv = by * g.cvc + cvl
         cu = cute.make_tensor(p_cu, num_segs + 1)
@@ -360,6 +389,7 @@ def _build_backward(key: KernelKey):
     def finalize(p_work, p_gape, num_parts: Int32):
         # Warp w sums partials w, w+32, ... of 32 consecutive elements; then warp 0 adds
         # the 32 warp sums in order: deterministic, no atomics.
+        cm.await_upstream(g.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         lane = tid % 32
@@ -390,13 +420,14 @@ def _build_backward(key: KernelKey):
                grid: Int32, stream: cuda.CUstream):
         smem_bytes = (g.W * g.cvc * g.V + g.W * g.V * g.threads) * 4 + 64
         kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work, num_tokens,
-               num_rows, num_segs).launch(grid=(grid, g.ny, 1), block=(g.threads, 1, 1),
-                                          smem=smem_bytes, stream=stream,
+               num_rows, num_segs).launch(grid=launch_grid(grid), block=(g.threads, 1, 1),
+                                          smem=smem_bytes, stream=stream, use_pdl=g.pdl,
                                           min_blocks_per_mp=g.min_ctas,
                                           preferred_smem_carveout=100 if g.min_ctas else None)
         finalize(p_work, p_gape, grid).launch(grid=((g.E + 31) // 32, 1, 1),
                                               block=(32 * _FIN_SPLIT, 1, 1),
-                                              smem=_FIN_SPLIT * 32 * 4 + 64, stream=stream)
+                                              smem=_FIN_SPLIT * 32 * 4 + 64, stream=stream,
+                                              use_pdl=g.pdl)
 
     return launch
 

@@ -9,6 +9,8 @@
 #   CAND_DIR      a tree with candidate sources: its window-family tests run beside ours and
 #                 the kernels stage times both
 #   KERNEL_SHAPES time_kernels.py --only filters (comma separated)
+#   KNOBS         time_kernels.py --knobs variants of the default keys ("pdl=0;linear=0")
+#   SWEEP_SHAPES  shapes (comma separated) whose window keys are all timed (--sweep)
 #   BENCH_SHAPES  bench shapes (comma separated; default the SPEC list), BENCH_SKIP variants
 #   T_TESTS, T_BENCH  per-stage limits in seconds
 # Logs land in $OUT/logs; $OUT/summary.txt has one line per job.
@@ -66,7 +68,10 @@ if wants kernels; then
   IFS=, read -ra shapes <<< "${KERNEL_SHAPES:-1x8192 d128 r4 c2,3x8192 d512 r4 c2}"
   for shape in "${shapes[@]}"; do
     tag=${shape// /_}
-    run "kernels-$tag" 60 "$ROOT" python3 tests/gpu/time_kernels.py --only "$shape"
+    sweep=""
+    [[ ",${SWEEP_SHAPES:-}," == *",$shape,"* ]] && sweep="--sweep"
+    run "kernels-$tag" "${T_KERNELS:-60}" "$ROOT" python3 tests/gpu/time_kernels.py \
+      --only "$shape" ${KNOBS:+--knobs "$KNOBS"} $sweep
     [ -n "${CAND_DIR:-}" ] && run "cand-kernels-$tag" 60 "$CAND_DIR" \
       env PYTHONPATH="$CAND_DIR:$PYTHONPATH" python3 tests/gpu/time_kernels.py --only "$shape"
   done

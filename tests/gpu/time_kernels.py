@@ -8,6 +8,7 @@ larger than L2, and the host time of one eager call. Prints a table; --json writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -121,6 +122,37 @@ def _sweep(ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> N
         host.set_key(base, backward)
 
 
+def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd):
+    """Times the default keys with knobs overridden: spec "pdl=0;linear=0;pdl=0,linear=0"."""
+    arch = host.device_arch()
+    for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
+        base = host.select_key(ratio, coff, d, dtype_name, arch, backward)
+        if base is None or base.family != "window":
+            continue
+        for variant in filter(None, spec.split(";")):
+            knobs = dict(base.knobs)
+            knobs.update((k, int(v)) for k, v in (kv.split("=") for kv in variant.split(",")))
+            key = dataclasses.replace(base, knobs=tuple(sorted(knobs.items())))
+            host.set_key(key, backward)
+            host.precompile(ratio, d, coff, dtype)
+            verdict = _verdict(backward, fn(sets[0]), sets[0], ratio, coff)
+            t = graph_time(fn, sets)
+            print(f"  {'bwd' if backward else 'fwd'} {variant}: {t:.2f} us "
+                  f"(default {t_default:.2f}) {verdict}")
+        host.set_key(base, backward)
+
+
+def latency_baselines(nbytes: int) -> tuple[float, float]:
+    """(us per launch of a one-element kernel, us per copy of nbytes/2 to nbytes/2), both in
+    the same CUDA-graph method: the launch floor and the copy floor of a small shape."""
+    one = torch.zeros(1, device="cuda")
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_launch = graph_time(lambda _: one.add_(1.0), [None])
+    t_copy = graph_time(lambda _: dst.copy_(src), [None])
+    return t_launch, t_copy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
@@ -128,6 +160,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="time only shapes whose label has this")
     parser.add_argument("--sweep", action="store_true",
                         help="also time every enumerated window key (autotuning data)")
+    parser.add_argument("--knobs", default="",
+                        help='knob variants of the default keys, e.g. "pdl=0;linear=0"')
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth()
@@ -153,6 +187,13 @@ def main() -> None:
             return host.compressor_backward(s[6], *s[:5], ratio, coff)
 
         t_fwd, t_bwd = graph_time(fwd, sets), graph_time(bwd, sets)
+        if segs * seqlen <= 8192:
+            t_launch, t_copy = latency_baselines(fwd_bytes)
+            print(f"  one-element kernel {t_launch:.2f} us, copy of the forward's bytes "
+                  f"{t_copy:.2f} us, forward {t_fwd:.2f}, backward {t_bwd:.2f}")
+        if args.knobs:
+            _knob_variants(args.knobs, ratio, coff, d, args.dtype, dtype, fwd, bwd, sets,
+                           t_fwd, t_bwd)
         if args.sweep:
             _sweep(ratio, coff, d, args.dtype, dtype, fwd, bwd, sets, t_fwd, t_bwd)
         h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])
