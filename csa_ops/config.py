@@ -92,6 +92,20 @@ def window_key(
     and the backward's grad_ape partials in shared memory also scale with it), so wide
     windows trade vector width for registers.
     """
+    key = _window_shape(ratio, coff, head_dim, dtype, arch, backward)
+    return dataclasses.replace(key, knobs=_window_knobs(dtype, backward))
+
+
+def _window_knobs(dtype: str, backward: bool) -> tuple[tuple[str, int], ...]:
+    # The bf16 forward takes the fast softmax (kernels/window.py, _output_fast): within one
+    # output rounding step, as SPEC 3 allows. fp16's finer step and fp32 keep the exact
+    # path; the backward must be bitwise, so it always does.
+    return (("fast_exp", 1),) if dtype == "bfloat16" and not backward else ()
+
+
+def _window_shape(
+    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
+) -> KernelKey:
     vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, 64 // (coff * ratio)))
     if coff * ratio <= NARROW_WINDOW_MAX and (backward or head_dim <= NARROW_HEAD_DIM):
         # The kernels are latency-bound: trade vector width for threads (and registers for
@@ -115,7 +129,7 @@ def enumerate_window_keys(
     for vec in (v for v in (1, 2, 4, 8, 16) if v <= vmax):
         for threads in (64, 128, 256):
             key = KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec,
-                            threads=threads)
+                            threads=threads, knobs=_window_knobs(dtype, backward))
             yield key
             if backward and threads == 128:
                 yield dataclasses.replace(key, knobs=(("min_ctas", 3),))

@@ -55,8 +55,10 @@ def test_precompile_cross_arch(cfg, arch):
 def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
     # vec 8: 16-byte accesses (the default keys use narrower vectors; the arithmetic is the
     # same per element, so this key audits it and the widest access path at once).
+    # fast_exp=0: the bf16 forward's default is the fast path (audited below); the exact one
+    # is what fp16 and fp32 run, and what the backward always runs.
     key = dataclasses.replace(window_key(4, 2, 512, "bfloat16", arch, backward), vec=8,
-                              threads=128)
+                              threads=128, knobs=(("fast_exp", 0),))
     text = window.ptx(key, backward)
     assert f".target {arch}" in text
     exps = text.count("ex2.approx.ftz.f32")
@@ -74,6 +76,20 @@ def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
     for approx in ("div.approx", "div.full", "rcp.approx", "fma.rz", "lg2.approx"):
         assert approx not in text
     assert "ld.global.v4" in text and "st.global.v4" in text  # 16-byte accesses
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_of_the_fast_forward(arch):
+    # The bf16 forward default: one ex2.approx per entry and column without libdevice's
+    # range reduction, one division per column, no per-entry division.
+    key = window_key(4, 2, 512, "bfloat16", arch, False)
+    assert key.knob("fast_exp", 0) == 1
+    assert window_key(4, 2, 512, "float16", arch, False).knob("fast_exp", 0) == 0
+    assert window_key(4, 2, 512, "bfloat16", arch, True).knob("fast_exp", 0) == 0
+    text = window.ptx(key, False)
+    assert text.count("ex2.approx.ftz.f32") == key.window * key.vec
+    assert "fma.rm.f32" not in text
+    assert len(re.findall(r"\tdiv\.\w+\.f32", text)) == key.vec
 
 
 def test_wide_windows_trade_vector_width():

@@ -11,6 +11,7 @@ per CTA in the workspace, then a second kernel that sums the partials in a fixed
 from __future__ import annotations
 
 import functools
+import math
 import pathlib
 import tempfile
 
@@ -27,6 +28,7 @@ from . import common as cm
 _DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
 _CTAS_PER_SM = 4  # backward grid-stride target; more CTAs only add grad_ape partials
 _FIN_SPLIT = 32  # finalize: warps per CTA, each summing every 32nd partial
+_LOG2E = 1.4426950408889634
 
 
 def configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey:
@@ -61,6 +63,12 @@ class _Geometry:
         # Knob: 1-D grid with the column chunk fastest, so CTAs resident together read
         # whole token rows (DRAM pages) instead of one 128-byte chunk of many rows.
         self.linear = bool(key.knob("linear", 1))
+        # Knob: forward softmax through ex2.approx and one division per column (see
+        # _output_fast); 0 keeps the reference's exact operation order.
+        self.fast_exp = bool(key.knob("fast_exp", 0))
+        # exp(l - m) is kept scaled by 2**-shift so sum(e * v) cannot overflow before
+        # max|v| does (W entries, each e <= 2**-shift).
+        self.shift = max(0, math.ceil(math.log2(self.W)))
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
@@ -94,11 +102,9 @@ def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) 
 # Device code
 
 
-def _probs(g, rKV, rS, sApe, i, cvl, first):
-    """Softmax over the window for column i, in the reference's exact operation order.
-
-    Entries of block b-1 of a first block are the reference's constants: logit -inf.
-    """
+def _logits(g, rS, sApe, i, cvl, first):
+    """(logits, their max) of column i. Entries of block b-1 of a first block are the
+    reference's constants: logit -inf."""
     logits = []
     for k in range(g.W):
         lk = cm.add_rn(Float32(rS[i, k]), sApe[k, cvl * g.V + i])
@@ -108,6 +114,12 @@ def _probs(g, rKV, rS, sApe, i, cvl, first):
     m = logits[0]
     for k in range(1, g.W):
         m = cm.max_nan(m, logits[k])
+    return logits, m
+
+
+def _probs(g, rKV, rS, sApe, i, cvl, first):
+    """Softmax over the window for column i, in the reference's exact operation order."""
+    logits, m = _logits(g, rS, sApe, i, cvl, first)
     rE = cute.make_rmem_tensor((g.W,), Float32)
     rP = cute.make_rmem_tensor((g.W,), Float32)
     for k in range(g.W):
@@ -119,6 +131,32 @@ def _probs(g, rKV, rS, sApe, i, cvl, first):
     p = [rP[k] for k in range(g.W)]
     v = [Float32(rKV[i, k]) for k in range(g.W)]
     return p, v
+
+
+def _output_exact(g, rKV, rS, sApe, i, cvl, first):
+    """Output column i, bit for bit the reference's: sum of RN(p_k * v_k) in k order."""
+    p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
+    acc = cm.mul_rn(p[0], v[0])
+    for k in range(1, g.W):
+        acc = cm.add_rn(acc, cm.mul_rn(p[k], v[k]))
+    return acc
+
+
+def _output_fast(g, rKV, rS, sApe, i, cvl, first):
+    """Output column i as sum(e_k * v_k) / sum(e_k), e_k = 2**((l_k - m) * log2(e) - shift)
+    by ex2.approx: about a quarter of the exact path's instructions (the forward is
+    issue-bound at every shape), within one bf16 rounding step of the reference (its fp32
+    result moves by a few units in the last place). l_k - m is formed before the scaling,
+    so no finite logits overflow the exponent; NaN and infinities propagate alike.
+    """
+    logits, m = _logits(g, rS, sApe, i, cvl, first)
+    s = Float32(0.0)
+    acc = Float32(0.0)
+    for k in range(g.W):
+        e = cute.math.exp2((logits[k] - m) * _LOG2E - g.shift, fastmath=True)
+        s = s + e
+        acc = acc + e * Float32(rKV[i, k])
+    return acc / s
 
 
 def _ape_layout(g: _Geometry):
@@ -242,12 +280,9 @@ def _build_forward(key: KernelKey):
             rO = cute.make_rmem_tensor((g.V,), g.dtype)
             rO.fill(0.0)
             if valid:
+                output = _output_fast if g.fast_exp else _output_exact
                 for i in cutlass.range_constexpr(g.V):
-                    p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
-                    acc = cm.mul_rn(p[0], v[0])
-                    for k in cutlass.range_constexpr(1, g.W):
-                        acc = cm.add_rn(acc, cm.mul_rn(p[k], v[k]))
-                    rO[i] = g.dtype(acc)
+                    rO[i] = g.dtype(output(g, rKV, rS, sApe, i, cvl, first))
             o_off = cute.assume(Int64(n) * g.D + cv * g.V, divby=g.V)
             cute.autovec_copy(rO, cute.make_tensor(p_out + o_off, g.V))
 

@@ -11,6 +11,7 @@
 #   KERNEL_SHAPES time_kernels.py --only filters (comma separated)
 #   KNOBS         time_kernels.py --knobs variants of the default keys ("pdl=0;linear=0")
 #   SWEEP_SHAPES  shapes (comma separated) whose window keys are all timed (--sweep)
+#   SWEEP_DIRS    directions of those sweeps (default "fwd,bwd")
 #   BENCH_SHAPES  bench shapes (comma separated; default the SPEC list), BENCH_SKIP variants
 #   T_TESTS, T_BENCH  per-stage limits in seconds
 # Logs land in $OUT/logs; $OUT/summary.txt has one line per job.
@@ -69,7 +70,7 @@ if wants kernels; then
   for shape in "${shapes[@]}"; do
     tag=${shape// /_}
     sweep=""
-    [[ ",${SWEEP_SHAPES:-}," == *",$shape,"* ]] && sweep="--sweep"
+    [[ ",${SWEEP_SHAPES:-}," == *",$shape,"* ]] && sweep="--sweep=${SWEEP_DIRS:-fwd,bwd}"
     run "kernels-$tag" "${T_KERNELS:-60}" "$ROOT" python3 tests/gpu/time_kernels.py \
       --only "$shape" ${KNOBS:+--knobs "$KNOBS"} $sweep
     [ -n "${CAND_DIR:-}" ] && run "cand-kernels-$tag" 60 "$CAND_DIR" \

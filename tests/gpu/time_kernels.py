@@ -105,10 +105,12 @@ def _verdict(backward: bool, got, s, ratio, coff) -> str:
     return "ok" if off <= max(1, want.numel() // 1000) else f"FWD MISMATCH ({off} elements)"
 
 
-def _sweep(ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
+def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
     """Times and checks every enumerated window key (vector width, CTA size, knobs)."""
     arch = host.device_arch()
     for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
+        if ("bwd" if backward else "fwd") not in dirs:
+            continue
         base = host.select_key(ratio, coff, d, dtype_name, arch, backward)
         if base is None or base.family != "window":
             continue
@@ -158,8 +160,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--only", default="", help="time only shapes whose label has this")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time every enumerated window key (autotuning data)")
+    parser.add_argument("--sweep", nargs="?", const="fwd,bwd", default="",
+                        help="also time every enumerated window key of these directions "
+                             "(fwd,bwd; autotuning data)")
     parser.add_argument("--knobs", default="",
                         help='knob variants of the default keys, e.g. "pdl=0;linear=0"')
     args = parser.parse_args()
@@ -195,7 +198,7 @@ def main() -> None:
             _knob_variants(args.knobs, ratio, coff, d, args.dtype, dtype, fwd, bwd, sets,
                            t_fwd, t_bwd)
         if args.sweep:
-            _sweep(ratio, coff, d, args.dtype, dtype, fwd, bwd, sets, t_fwd, t_bwd)
+            _sweep(args.sweep, ratio, coff, d, args.dtype, dtype, fwd, bwd, sets, t_fwd, t_bwd)
         h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])
         floor_f, floor_b = fwd_bytes / bw * 1e6, bwd_bytes / bw * 1e6
         rec = {"shape": f"{segs}x{seqlen} d{d} r{ratio} c{coff}", "fwd_us": t_fwd,
