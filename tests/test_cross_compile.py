@@ -80,16 +80,19 @@ def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptx_of_the_fast_forward(arch):
-    # The bf16 forward default: one ex2.approx per entry and column without libdevice's
-    # range reduction, one division per column, no per-entry division.
+    # The bf16 forward default: per column one certified fast pass (ex2.approx without
+    # libdevice's range reduction, one division) and the exact path as its fallback (one
+    # libdevice expf and one division per entry, plus the reciprocal).
     key = window_key(4, 2, 512, "bfloat16", arch, False)
     assert key.knob("fast_exp", 0) == 1
     assert window_key(4, 2, 512, "float16", arch, False).knob("fast_exp", 0) == 0
     assert window_key(4, 2, 512, "bfloat16", arch, True).knob("fast_exp", 0) == 0
     text = window.ptx(key, False)
-    assert text.count("ex2.approx.ftz.f32") == key.window * key.vec
-    assert "fma.rm.f32" not in text
-    assert len(re.findall(r"\tdiv\.\w+\.f32", text)) == key.vec
+    entries = key.window * key.vec
+    assert text.count("ex2.approx.ftz.f32") == 2 * entries
+    assert text.count("fma.rm.f32") == entries  # the fallback's expf only
+    assert text.count("div.rn.f32") == key.vec + (entries + key.vec)
+    assert text.count("setp.ge.f32") == key.vec  # one certificate test per column
 
 
 def test_wide_windows_trade_vector_width():

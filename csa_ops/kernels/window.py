@@ -27,8 +27,16 @@ from . import common as cm
 
 _DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
 _CTAS_PER_SM = 4  # backward grid-stride target; more CTAs only add grad_ape partials
+# The backward's grid-stride plan gives every CTA the same slots and assumes _CTAS_PER_SM
+# of them on each SM. A kernel light enough for more would let the block scheduler stack
+# CTAs on the SMs that free up first (under PDL, while the previous grid drains) and leave
+# others short, and the busiest SM sets the time (H200, r2 c2 d512: 93 us against 80 us
+# without PDL). Shared memory just over 1/(_CTAS_PER_SM + 1) of an SM (228 KiB on SM90 and
+# SM100, 1 KiB of it reserved per CTA) caps residency at _CTAS_PER_SM.
+_BALANCED_SMEM = 228 * 1024 // (_CTAS_PER_SM + 1) + 1024
 _FIN_SPLIT = 32  # finalize: warps per CTA, each summing every 32nd partial
 _LOG2E = 1.4426950408889634
+_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
 
 
 def configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey:
@@ -58,6 +66,8 @@ class _Geometry:
         self.E = self.R * self.C * self.D  # grad_ape elements
         # Knob: CTAs per SM the register allocation must allow (0: compiler's choice).
         self.min_ctas = key.knob("min_ctas", 0)
+        # Knob: pad the backward's shared memory to _BALANCED_SMEM.
+        self.balance = bool(key.knob("balance", 1))
         # Knob: launch with programmatic dependent launch (see common.await_upstream).
         self.pdl = bool(key.knob("pdl", 1))
         # Knob: 1-D grid with the column chunk fastest, so CTAs resident together read
@@ -69,6 +79,12 @@ class _Geometry:
         # exp(l - m) is kept scaled by 2**-shift so sum(e * v) cannot overflow before
         # max|v| does (W entries, each e <= 2**-shift).
         self.shift = max(0, math.ceil(math.log2(self.W)))
+        # _output_fast's certificate: the error bound's coefficients over one output step
+        # (at least 2**-p |out| for p significand bits), with a factor 2 margin.
+        step = 2.0 ** (_SIGNIFICAND_BITS[key.dtype] + 1)
+        self.cert_mag = step * 2.0**-24 * (4 * self.W + 40)
+        self.cert_mag_d = step * 2.0**-24 * 6
+        self.cert_flush = step * 2.0**-126
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
@@ -143,20 +159,41 @@ def _output_exact(g, rKV, rS, sApe, i, cvl, first):
 
 
 def _output_fast(g, rKV, rS, sApe, i, cvl, first):
-    """Output column i as sum(e_k * v_k) / sum(e_k), e_k = 2**((l_k - m) * log2(e) - shift)
-    by ex2.approx: about a quarter of the exact path's instructions (the forward is
-    issue-bound at every shape), within one bf16 rounding step of the reference (its fp32
-    result moves by a few units in the last place). l_k - m is formed before the scaling,
-    so no finite logits overflow the exponent; NaN and infinities propagate alike.
+    """(output column i, certified): sum(e_k * v_k) / sum(e_k) with e_k = 2**x_k by
+    ex2.approx, x_k = (l_k - m) * log2(e) - shift: about half the exact path's instructions
+    (the forward is issue-bound at every shape).
+
+    Certified means the result provably rounds to the reference's output dtype value or
+    a neighbour of it: the two fp32 results differ by at most
+        u * ((4W + 40) * sum(e|v|) + 6 * sum(e|v||l - m|)) / s + 2**-126 * sum(|v|) / s
+    (u = 2**-24: the reference's expf, sums, division and products, ex2.approx's 2**-21
+    and its argument's rounding, which grows with |l - m|, and the flush of tiny e); below
+    one output step (at least 2**-p |out| for p significand bits) they cannot straddle two
+    rounding boundaries. Columns that cancel (|out| far below sum(p|v|)), and any NaN or
+    infinity, fail the test and take the exact path.
     """
     logits, m = _logits(g, rS, sApe, i, cvl, first)
     s = Float32(0.0)
     acc = Float32(0.0)
+    mag = Float32(0.0)
+    mag_d = Float32(0.0)
+    vsum = Float32(0.0)
     for k in range(g.W):
-        e = cute.math.exp2((logits[k] - m) * _LOG2E - g.shift, fastmath=True)
+        d = cm.sub_rn(logits[k], m)
+        e = cute.math.exp2(d * _LOG2E - g.shift, fastmath=True)
+        v = Float32(rKV[i, k])
+        t = e * cute.math.absf(v)
         s = s + e
-        acc = acc + e * Float32(rKV[i, k])
-    return acc / s
+        acc = acc + e * v
+        mag = mag + t
+        if g.entries[k][3]:  # invalid entries: d = -inf, e = 0, v = 0
+            mag_d = mag_d + cm.pick(first, Float32(0.0), t * cute.math.absf(d))
+        else:
+            mag_d = mag_d + t * cute.math.absf(d)
+        vsum = vsum + cute.math.absf(v)
+    bound = g.cert_mag * mag + g.cert_mag_d * mag_d + g.cert_flush * vsum
+    certified = (cute.math.absf(acc) >= bound) & (bound < Float32(float("inf")))
+    return acc / s, certified
 
 
 def _ape_layout(g: _Geometry):
@@ -280,9 +317,14 @@ def _build_forward(key: KernelKey):
             rO = cute.make_rmem_tensor((g.V,), g.dtype)
             rO.fill(0.0)
             if valid:
-                output = _output_fast if g.fast_exp else _output_exact
                 for i in cutlass.range_constexpr(g.V):
-                    rO[i] = g.dtype(output(g, rKV, rS, sApe, i, cvl, first))
+                    if cutlass.const_expr(g.fast_exp):
+                        res, certified = _output_fast(g, rKV, rS, sApe, i, cvl, first)
+                        if not certified:  # rare: a cancelling column, NaN or infinity
+                            res = _output_exact(g, rKV, rS, sApe, i, cvl, first)
+                        rO[i] = g.dtype(res)
+                    else:
+                        rO[i] = g.dtype(_output_exact(g, rKV, rS, sApe, i, cvl, first))
             o_off = cute.assume(Int64(n) * g.D + cv * g.V, divby=g.V)
             cute.autovec_copy(rO, cute.make_tensor(p_out + o_off, g.V))
 
@@ -454,11 +496,13 @@ def _build_backward(key: KernelKey):
                p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
                grid: Int32, stream: cuda.CUstream):
         smem_bytes = (g.W * g.cvc * g.V + g.W * g.V * g.threads) * 4 + 64
+        if cutlass.const_expr(g.balance):
+            smem_bytes = max(smem_bytes, _BALANCED_SMEM)
         kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work, num_tokens,
                num_rows, num_segs).launch(grid=launch_grid(grid), block=(g.threads, 1, 1),
                                           smem=smem_bytes, stream=stream, use_pdl=g.pdl,
                                           min_blocks_per_mp=g.min_ctas,
-                                          preferred_smem_carveout=100 if g.min_ctas else None)
+                                          preferred_smem_carveout=100)
         finalize(p_work, p_gape, grid).launch(grid=((g.E + 31) // 32, 1, 1),
                                               block=(32 * _FIN_SPLIT, 1, 1),
                                               smem=_FIN_SPLIT * 32 * 4 + 64, stream=stream,
