@@ -93,20 +93,30 @@ def window_key(
     windows trade vector width for registers.
     """
     key = _window_shape(ratio, coff, head_dim, dtype, arch, backward)
-    return dataclasses.replace(key, knobs=_window_knobs(dtype, backward))
+    return dataclasses.replace(key, knobs=_window_knobs(head_dim, dtype, backward))
 
 
-def _window_knobs(dtype: str, backward: bool) -> tuple[tuple[str, int], ...]:
-    # The bf16 forward takes the fast softmax (kernels/window.py, _output_fast): within one
-    # output rounding step, as SPEC 3 allows. fp16's finer step and fp32 keep the exact
-    # path; the backward must be bitwise, so it always does.
-    return (("fast_exp", 1),) if dtype == "bfloat16" and not backward else ()
+def _window_knobs(head_dim: int, dtype: str, backward: bool) -> tuple[tuple[str, int], ...]:
+    if backward:
+        # Wide rows: the 2-D grid (column chunk slowest) beat the 1-D one in three H200
+        # runs at d512 (3x8192 r4 c2 63.0 against 65.6 us, 1x65536 160.5 against 163.0,
+        # 1x8192 24.0 against 25.0); at d128 the 1-D grid won (1x8192 9.9 against 10.2).
+        return (("linear", 0),) if head_dim > NARROW_HEAD_DIM else ()
+    # The bf16 forward takes the certified fast softmax (kernels/window.py, _output_fast):
+    # within one output rounding step, as SPEC 3 allows (H200: 3x8192 d512 r4 c2 30.7
+    # against 34.9 us, 142 of 3.1M elements one step off). fp16's 8x finer step would send
+    # 8x more columns to the exact fallback, and fp32 has no slack: both stay exact.
+    return (("fast_exp", 1),) if dtype == "bfloat16" else ()
 
 
 def _window_shape(
     ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
 ) -> KernelKey:
     vec = widest_vec(head_dim, ELEM_BYTES[dtype], max(1, 64 // (coff * ratio)))
+    if backward and head_dim > NARROW_HEAD_DIM and coff * ratio <= 4:
+        # Windows of 4 leave room for 16-byte accesses (H200, r2 c2 3x8192 d512 bwd sweep:
+        # vec 8 / 128 threads 68.4 us, vec 4 / 128 77.0, vec 2 / 256 79.0).
+        return KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec, threads=128)
     if coff * ratio <= NARROW_WINDOW_MAX and (backward or head_dim <= NARROW_HEAD_DIM):
         # The kernels are latency-bound: trade vector width for threads (and registers for
         # occupancy). H200 sweeps, r4 c2 bf16, every key checked against the reference:
@@ -129,7 +139,7 @@ def enumerate_window_keys(
     for vec in (v for v in (1, 2, 4, 8, 16) if v <= vmax):
         for threads in (64, 128, 256):
             key = KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec,
-                            threads=threads, knobs=_window_knobs(dtype, backward))
+                            threads=threads, knobs=_window_knobs(head_dim, dtype, backward))
             yield key
             if backward and threads == 128:
-                yield dataclasses.replace(key, knobs=(("min_ctas", 3),))
+                yield dataclasses.replace(key, knobs=(*key.knobs, ("min_ctas", 3)))

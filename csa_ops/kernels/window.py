@@ -1,7 +1,10 @@
 """Register-window compressor kernels: the whole coff*ratio window of a row lives in registers.
 
 Thread = (output row, vector of `vec` columns); a CTA is rows x column-vectors with ~128
-contiguous bytes per row. Forward: one pass, padding and invalid rows written as zeros.
+contiguous bytes per row. Every launch is a programmatic dependent launch (PDL): its CTAs
+can be resident before the previous grid ends and wait for it before the first access.
+Forward: one pass, padding and invalid rows written as zeros; bf16 takes a certified fast
+softmax (_output_fast) with the exact one as the fallback of the columns it cannot certify.
 Backward: a grid-stride loop over "slots"; slot i is row i (its window's grads, disjoint
 stores) plus token chunk [i*ratio, (i+1)*ratio), whose never-consumed elements it zeroes.
 grad_ape: per-thread fp32 partials in registers, a fixed-order CTA reduction to one partial
