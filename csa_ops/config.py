@@ -93,10 +93,13 @@ def window_key(
     windows trade vector width for registers.
     """
     key = _window_shape(ratio, coff, head_dim, dtype, arch, backward)
-    return dataclasses.replace(key, knobs=_window_knobs(head_dim, dtype, backward))
+    return dataclasses.replace(key, knobs=_window_knobs(coff * ratio, head_dim, dtype,
+                                                        backward))
 
 
-def _window_knobs(head_dim: int, dtype: str, backward: bool) -> tuple[tuple[str, int], ...]:
+def _window_knobs(
+    window: int, head_dim: int, dtype: str, backward: bool
+) -> tuple[tuple[str, int], ...]:
     if backward:
         # Wide rows: the 2-D grid (column chunk slowest) beat the 1-D one in three H200
         # runs at d512 (3x8192 r4 c2 63.0 against 65.6 us, 1x65536 160.5 against 163.0,
@@ -105,8 +108,11 @@ def _window_knobs(head_dim: int, dtype: str, backward: bool) -> tuple[tuple[str,
     # The bf16 forward takes the certified fast softmax (kernels/window.py, _output_fast):
     # within one output rounding step, as SPEC 3 allows (H200: 3x8192 d512 r4 c2 30.7
     # against 34.9 us, 142 of 3.1M elements one step off). fp16's 8x finer step would send
-    # 8x more columns to the exact fallback, and fp32 has no slack: both stay exact.
-    return (("fast_exp", 1),) if dtype == "bfloat16" else ()
+    # 8x more columns to the exact fallback, and fp32 has no slack: both stay exact. Short
+    # windows over narrow rows are latency-bound, and there the certificate's longer chain
+    # costs more than the exact softmax (r4 c1 1x8192 d128: 3.27 against 3.0 us).
+    fast = dtype == "bfloat16" and not (window <= 4 and head_dim <= NARROW_HEAD_DIM)
+    return (("fast_exp", 1),) if fast else ()
 
 
 def _window_shape(
@@ -139,7 +145,8 @@ def enumerate_window_keys(
     for vec in (v for v in (1, 2, 4, 8, 16) if v <= vmax):
         for threads in (64, 128, 256):
             key = KernelKey("window", ratio, coff, head_dim, dtype, arch, vec=vec,
-                            threads=threads, knobs=_window_knobs(head_dim, dtype, backward))
+                            threads=threads,
+                            knobs=_window_knobs(coff * ratio, head_dim, dtype, backward))
             yield key
             if backward and threads == 128:
                 yield dataclasses.replace(key, knobs=(*key.knobs, ("min_ctas", 3)))

@@ -49,7 +49,7 @@ def _smem_bytes(key: KernelKey, backward: bool, stages: int) -> int:
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
               cv: int | None = None, ctas: int | None = None, stages: int | None = None,
-              fast_exp: int | None = None, lean: int = 0) -> KernelKey:
+              fast_exp: int | None = None, lean: int = 0, pdl: int | None = None) -> KernelKey:
     """Heuristic key; the keyword arguments override the heuristic (autotuning)."""
     eb = ELEM_BYTES[dtype]
     vec = widest_vec(head_dim, eb, 16 // eb)
@@ -69,9 +69,15 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backw
             stages = fits[0] if fits else 2
         else:
             ctas -= 1
+    # Programmatic dependent launch: H200 bench, PDL against none (previous run, same code
+    # otherwise): the backward and the one-warp-per-column forward gain 1-7% (r128 c1
+    # 1x65536 d128 fwd 13.1 against 14.0 us), but the forward with two warps per column
+    # (coff 2) loses 7-13% (1x131072 d512 168.1 against 149.0 us), so it launches plainly.
+    if pdl is None:
+        pdl = 0 if wpc == 2 and not backward else 1
     knobs = (*shape, ("stages", stages), ("ctas", ctas),
              ("fast_exp", (0 if backward else FWD_FAST_EXP) if fast_exp is None else fast_exp),
-             ("lean", lean))
+             ("lean", lean), ("pdl", pdl))
     return KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
                      knobs=knobs)
 
@@ -137,7 +143,7 @@ class _Streaming:
         self.wpad = 32 * self.kt * self.wpc
         self.stages, self.ctas = key.knob("stages", 1), key.knob("ctas", 1)
         self.fast_exp = bool(key.knob("fast_exp", 0))
-        self.pdl = bool(key.knob("pdl", 1))  # programmatic dependent launch
+        self.pdl = bool(key.knob("pdl", 0))  # programmatic dependent launch
         # lean: rows whose whole window exists skip the per-entry masks (same results).
         self.lean = bool(key.knob("lean", 0)) and self.wpad == self.w
         self.bwd = backward

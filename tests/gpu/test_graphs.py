@@ -96,9 +96,8 @@ def test_first_call_under_capture_asks_for_precompile():
     ape = torch.randn(ratio, coff * head_dim, device="cuda")
     cu, cuc = offsets_for([64], ratio, "cuda")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="precompile"):
-        with torch.cuda.graph(graph):
-            torch.ops.csa.compressor(kv, kv, ape, cu, cuc, ratio, coff, 21)
+    with pytest.raises(RuntimeError, match="precompile"), torch.cuda.graph(graph):
+        torch.ops.csa.compressor(kv, kv, ape, cu, cuc, ratio, coff, 21)
     csa_ops.precompile(ratio, head_dim, coff, dtype=torch.float16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -176,7 +176,7 @@ def test_any_launch_plan(groups, lean):
 
 @pytest.mark.parametrize("knobs", [{"cv": 4}, {"cv": 8}, {"cv": 4, "ctas": 3},
                                    {"fast_exp": 1}, {"fast_exp": 0}, {"lean": 1},
-                                   {"lean": 1, "cv": 4}], ids=str)
+                                   {"lean": 1, "cv": 4}, {"pdl": 0}, {"pdl": 1}], ids=str)
 @pytest.mark.parametrize("coff", (1, 2))
 def test_autotune_variants(coff, knobs):
     # Every key the timing script may pick must be exact too, in both directions.

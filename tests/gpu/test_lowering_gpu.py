@@ -8,11 +8,11 @@ import re
 import pytest
 import torch
 import torch._dynamo.testing
+from helpers import use_lowering_mode
 from torch._inductor.utils import run_and_get_code
 
 import csa_ops
 from csa_ops import lowering, offsets_for, reference
-from helpers import use_lowering_mode
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

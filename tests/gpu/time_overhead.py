@@ -93,8 +93,8 @@ def _print_profile(fn, calls=2000):
 
 def main():
     kv, score, ape, cu, cuc, ratio, coff, rows, grad_out = _inputs()
-    forward = lambda: torch.ops.csa.compressor(kv, score, ape, cu, cuc, ratio, coff, rows)  # noqa: E731
-    backward = lambda: torch.ops.csa.compressor_backward(  # noqa: E731
+    forward = lambda: torch.ops.csa.compressor(kv, score, ape, cu, cuc, ratio, coff, rows)
+    backward = lambda: torch.ops.csa.compressor_backward(
         grad_out, kv, score, ape, cu, cuc, ratio, coff)
     result = {"forward_us_per_call": _per_call_us(forward),
               "backward_us_per_call": _per_call_us(backward)}

@@ -12,10 +12,10 @@ import argparse
 import json
 
 import torch
+from time_kernels import copy_bandwidth, graph_time  # same folder: one probe, one timer
 
 from csa_ops import host
 from csa_ops.kernels import streaming
-from time_kernels import copy_bandwidth, graph_time  # same folder: one probe, one timer
 
 SHAPES = (  # (tokens, head_dim, ratio, coff)
     (65536, 128, 128, 1),
