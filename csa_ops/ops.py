@@ -148,7 +148,9 @@ def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
 
     Numerics: fp32 intermediates (fp64 for fp64 inputs), one final rounding to kv's dtype.
     The CUDA kernels' forward is within one rounding step of ``csa_ops.reference`` on at most
-    max(1, 0.1%) of elements; ``grad_kv``/``grad_score`` are bit-identical to it at small
+    max(1, 0.1%) of elements (bit-identical for fp16/fp32 at small windows; bf16 takes a
+    fast softmax whose error bound is checked per output column, with the exact one as the
+    fallback); ``grad_kv``/``grad_score`` are bit-identical to it at small
     windows and within final rounding at large ones; ``grad_ape`` is within 1e-3, reduced
     in a fixed order without atomics. All outputs are bitwise run-to-run deterministic, so
     the op runs under ``torch.use_deterministic_algorithms(True)``.

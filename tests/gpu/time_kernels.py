@@ -111,6 +111,14 @@ def _verdict(backward: bool, got, s, ratio, coff) -> str:
             f"{beyond} beyond one step)")
 
 
+def _time_key(key, backward, fn, sets, dtype) -> tuple[float, str]:
+    """Pins key for its problem, compiles it, checks it against the reference, times it."""
+    host.set_key(key, backward)
+    host.precompile(key.ratio, key.head_dim, key.coff, dtype)
+    verdict = _verdict(backward, fn(sets[0]), sets[0], key.ratio, key.coff)
+    return graph_time(fn, sets), verdict
+
+
 def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
     """Times and checks every enumerated window key (vector width, CTA size, knobs)."""
     arch = host.device_arch()
@@ -121,10 +129,7 @@ def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd
         if base is None or base.family != "window":
             continue
         for key in config.enumerate_window_keys(ratio, coff, d, dtype_name, arch, backward):
-            host.set_key(key, backward)
-            host.precompile(ratio, d, coff, dtype)
-            verdict = _verdict(backward, fn(sets[0]), sets[0], ratio, coff)
-            t = graph_time(fn, sets)
+            t, verdict = _time_key(key, backward, fn, sets, dtype)
             print(f"  {'bwd' if backward else 'fwd'} vec={key.vec} threads={key.threads} "
                   f"{dict(key.knobs)}: {t:.2f} us (default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
@@ -141,10 +146,7 @@ def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fw
             knobs = dict(base.knobs)
             knobs.update((k, int(v)) for k, v in (kv.split("=") for kv in variant.split(",")))
             key = dataclasses.replace(base, knobs=tuple(sorted(knobs.items())))
-            host.set_key(key, backward)
-            host.precompile(ratio, d, coff, dtype)
-            verdict = _verdict(backward, fn(sets[0]), sets[0], ratio, coff)
-            t = graph_time(fn, sets)
+            t, verdict = _time_key(key, backward, fn, sets, dtype)
             print(f"  {'bwd' if backward else 'fwd'} {variant}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
