@@ -300,9 +300,10 @@ def _launch(direction: str, key: KernelKey, plan: LaunchPlan, tensors: list[torc
     values.append(work.data_ptr())
     values.extend(sizes)
     values.append(plan.grid)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_device()
+    index = device.index if device.index is not None else current
     stream = launcher.current_stream_handle(index)
-    if index == torch.cuda.current_device():
+    if index == current:
         launch(values, stream)
         return
     # The DSL launches into the current context: make it the tensors' device for this call.
