@@ -13,6 +13,7 @@ from cutlass import Boolean, Float32, Int32, Int64, cute
 from cutlass._mlir_helpers.math import RoundingMode
 
 _RN = RoundingMode.NEAREST_EVEN
+LOG2E = 1.4426950408889634  # exp(x) = 2**(x * LOG2E), for the ex2.approx softmax paths
 
 
 @cute.jit

@@ -123,7 +123,6 @@ def compile_backward(key: KernelKey):
 
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-_LOG2E = 1.4426950408889634
 
 
 def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
@@ -440,7 +439,7 @@ class _Streaming:
                 mloc[v] = cute.arch.fmax(mloc[v], x, nan=True)
         m_c = self._cross(self._scatter(mloc, lane, True), sRed, 0, lane, cvw, wp, col, True)
         if const_expr(self.fast_exp):
-            m_c = m_c * _LOG2E + self.shift
+            m_c = m_c * cm.LOG2E + self.shift
         m = self._gather(m_c)
         sloc = cute.make_rmem_tensor((VEC,), Float32)
         aloc = cute.make_rmem_tensor((VEC,), Float32)
@@ -455,7 +454,7 @@ class _Streaming:
             for v in cutlass.range_constexpr(VEC):
                 e = zero
                 if const_expr(self.fast_exp):
-                    e = cute.math.exp2(lg[i * VEC + v] * _LOG2E - m[v], fastmath=True)
+                    e = cute.math.exp2(lg[i * VEC + v] * cm.LOG2E - m[v], fastmath=True)
                 else:
                     e = cute.math.exp(lg[i * VEC + v] - m[v]) * scale
                 lg[i * VEC + v] = e
