@@ -235,6 +235,23 @@ def assert_bitwise_equal(actual, expected, name=""):
         raise AssertionError(f"{name}: {int((~same).sum())} elements differ, first at {bad}")
 
 
+def assert_within_one_step(actual, expected, name, max_fraction=None, atol=0.0):
+    """|a - e| <= one rounding step of the output dtype (+ atol) everywhere; if max_fraction
+    is given, at most max(1, max_fraction * numel) elements may differ at all."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
+    if actual.numel() == 0:
+        return
+    a, e = actual.double(), expected.double()
+    step = ulp(torch.maximum(a.abs(), e.abs()), actual.dtype)
+    both_nan = torch.isnan(a) & torch.isnan(e)
+    bad = ~(((a - e).abs() <= step + atol) | both_nan | (a == e))
+    assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements beyond one rounding step"
+    if max_fraction is not None:
+        differing = int(((a != e) & ~both_nan).sum())
+        allowed = max(1, int(max_fraction * actual.numel()))
+        assert differing <= allowed, f"{name}: {differing} elements differ (allowed {allowed})"
+
+
 def tokens_beyond_cu(pack: Pack) -> slice:
     return slice(int(pack.cu_seqlens[-1]), pack.kv.shape[0])
 

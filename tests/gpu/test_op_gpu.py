@@ -10,6 +10,7 @@ import torch
 from helpers import (
     PackSpec,
     assert_bitwise_equal,
+    assert_within_one_step,
     eager_forward_backward,
     make_pack,
     sum_tolerance,
@@ -58,23 +59,6 @@ def _reference(pack, grad_out):
     return (out, *grads)
 
 
-def _assert_within_one_step(actual, expected, name, max_fraction=None, atol=0.0):
-    """|a - e| <= one rounding step of the output dtype (+ atol) everywhere; if max_fraction
-    is given, at most max(1, max_fraction * numel) elements may differ at all."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
-    if actual.numel() == 0:
-        return
-    a, e = actual.double(), expected.double()
-    step = ulp(torch.maximum(a.abs(), e.abs()), actual.dtype)
-    both_nan = torch.isnan(a) & torch.isnan(e)
-    bad = ~(((a - e).abs() <= step + atol) | both_nan | (a == e))
-    assert not bool(bad.any()), f"{name}: {int(bad.sum())} elements beyond one rounding step"
-    if max_fraction is not None:
-        differing = int(((a != e) & ~both_nan).sum())
-        allowed = max(1, int(max_fraction * actual.numel()))
-        assert differing <= allowed, f"{name}: {differing} elements differ (allowed {allowed})"
-
-
 def _mean_error(x, oracle):
     return float((x.double() - oracle).abs().mean())
 
@@ -84,7 +68,7 @@ def test_forward_matches_reference(spec, dtype):
     pack = _cuda_pack(spec, dtype)
     out = torch.ops.csa.compressor(*pack.args())
     expected = reference.compressor_reference(*pack.args())
-    _assert_within_one_step(out, expected, "out", max_fraction=1e-3)
+    assert_within_one_step(out, expected, "out", max_fraction=1e-3)
     assert torch.count_nonzero(out[spec.true_rows:]) == 0
 
 
@@ -251,11 +235,11 @@ def test_compile_fullgraph_matches_eager(spec, dtype, total_comp, compile_env):
     (out, *grads), (eager_out, *eager_grads) = results
     # Inductor may pick generated code over the extern kernel: the forward contract holds
     # against eager as it does against the reference.
-    _assert_within_one_step(out, eager_out, "out", max_fraction=1e-3)
+    assert_within_one_step(out, eager_out, "out", max_fraction=1e-3)
     # Near-zero grad_score values come from cancellation: allow fp32 summation error there.
     scale = float(grad_out.abs().max()) * float(pack.kv.abs().max())
     for name, a, e in zip(("grad_kv", "grad_score"), grads[:2], eager_grads[:2]):
-        _assert_within_one_step(a, e, name, atol=sum_tolerance(torch.float32, window(pack), scale))
+        assert_within_one_step(a, e, name, atol=sum_tolerance(torch.float32, window(pack), scale))
     torch.testing.assert_close(grads[2], eager_grads[2], rtol=1e-3, atol=1e-3)
 
 
