@@ -282,8 +282,8 @@ _SCALARS = 4
 
 def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
     """The argument slots of a compiled kernel (see csa_ops.launcher), stream excluded."""
-    slots = {"data": ("ptr", getattr(torch, key.dtype), key.align_bytes), "f32": ("ptr", torch.float32, 16),
-             "idx": ("ptr", torch.int32, 4)}
+    slots = {"data": ("ptr", getattr(torch, key.dtype), key.align_bytes),
+             "f32": ("ptr", torch.float32, 16), "idx": ("ptr", torch.int32, 4)}
     return tuple(slots[kind] for kind in _POINTERS[direction]) + (("i32",),) * _SCALARS
 
 

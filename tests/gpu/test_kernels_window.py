@@ -1,8 +1,8 @@
 """Register-window CuTe-DSL kernels against the fp32 reference on the same GPU.
 
 grad_kv / grad_score must match bit for bit, the forward within one output rounding step
-(bit for bit on its exact path: fp16, fp32 and the fast_exp=0 knob), every output element must be written (outputs are poisoned with NaN first), and nothing may
-depend on the run. Calls csa_ops.host directly so a failure names the kernel, not the op.
+(bit for bit on its exact path: fp16, fp32 and the fast_exp=0 knob), every output element
+must be written (outputs are poisoned with NaN first), and nothing may depend on the run. Calls csa_ops.host directly so a failure names the kernel, not the op.
 """
 
 from __future__ import annotations
