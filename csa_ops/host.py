@@ -300,10 +300,9 @@ def _launch(direction: str, key: KernelKey, plan: LaunchPlan, tensors: list[torc
     values.append(work.data_ptr())
     values.extend(sizes)
     values.append(plan.grid)
-    current = torch.cuda.current_device()
-    index = device.index if device.index is not None else current
+    index = device.index if device.index is not None else torch.cuda.current_device()
     stream = launcher.current_stream_handle(index)
-    if index == current:
+    if index == torch.cuda.current_device():
         launch(values, stream)
         return
     # The DSL launches into the current context: make it the tensors' device for this call.
