@@ -1,13 +1,15 @@
 """Registers, spills and stack of every compiled kernel, per configuration (no GPU needed).
 
-Each configuration is cross-compiled in a child process that keeps its PTX (the DSL reads
-its dump settings at start-up), then ``ptxas -v`` reports the resources of each entry.
-Needs ``ptxas`` on PATH (the CUDA toolkit). ``python bench/kernel_resources.py``
+Each direction of a configuration's heuristic key is cross-compiled to PTX (host.ptx), then
+``ptxas -v`` reports the resources of each entry: the family's main kernel and, in the
+backward, the grad_ape sum. Needs ``ptxas`` on PATH (the CUDA toolkit).
+``python bench/kernel_resources.py``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -16,57 +18,53 @@ import sys
 import tempfile
 from pathlib import Path
 
+from csa_ops import host
+from csa_ops.config import ARCHS, KernelKey
+from csa_ops.kernels import select_key
+
 CONFIGS = (  # (ratio, coff, head_dim, dtype): production shapes, odd dims, both families
     (4, 2, 128, "bfloat16"), (4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16"),
     (2, 2, 512, "bfloat16"), (16, 2, 128, "bfloat16"), (4, 2, 65, "float16"),
     (128, 1, 128, "bfloat16"), (128, 2, 512, "bfloat16"), (256, 2, 64, "float16"),
 )
-_PRECOMPILE = ("import torch, csa_ops.host as h; "
-               "print(*h.precompile({r}, {d}, {c}, getattr(torch, '{t}'), arch='{a}'), sep='\\n')")
+ROLES = ("main", "grad_ape sum")  # entries in launch order
+_PTX_ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def _key_summary(key_repr: str) -> str:
-    """'window vec 2 x256' plus the knobs, from a KernelKey repr."""
-    fam, vec, threads, knobs = re.search(
-        r"family='(\w+)'.*vec=(\d+), threads=(\d+), knobs=\((.*)\)\)$", key_repr).groups()
-    knob_text = " ".join(f"{n}={v}" for n, v in re.findall(r"\('(\w+)', (\d+)\)", knobs))
-    return f"{fam} vec {vec} x{threads} {knob_text}".strip()
-
-
-def _kernel_role(entry: str) -> str:
-    for role in ("combine", "finalize", "backward", "forward"):
-        if role in entry:
-            return role
-    return "main"
+def key_summary(key: KernelKey) -> str:
+    """'window vec 2 x256' plus the knobs that differ from their defaults."""
+    knobs = key.knobs
+    extra = [f"{f.name}={int(v) if isinstance(v, bool) else v}"
+             for f in dataclasses.fields(knobs)
+             if f.name not in ("vec", "threads") and (v := getattr(knobs, f.name)) != f.default]
+    return " ".join([f"{key.family} vec {knobs.vec} x{knobs.threads}", *extra])
 
 
 def resources(ratio, coff, head_dim, dtype, arch):
     """[(direction, key summary, kernel role, registers, stack, spill stores, spill loads)]."""
     rows = []
-    with tempfile.TemporaryDirectory() as dump:
-        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=dump)
-        code = _PRECOMPILE.format(r=ratio, d=head_dim, c=coff, t=dtype, a=arch)
-        keys = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                              capture_output=True, text=True).stdout.splitlines()
-        for ptx in sorted(Path(dump).glob("*.ptx")):
-            # The host protocol passes 7 pointers forward and 10 backward (see host.py); the
-            # DSL names each launch after its argument types.
-            direction = "bwd" if ptx.name.count("Ptrgmem") >= 10 else "fwd"
-            summary = _key_summary(keys[0 if direction == "fwd" else 1])
+    with tempfile.TemporaryDirectory() as tmp:
+        for direction in host.DIRECTIONS:
+            key = select_key(ratio, coff, head_dim, dtype, arch, direction == "bwd")
+            text = host.ptx(direction, key)
+            order = _PTX_ENTRY.findall(text)  # the module's order is launch order
+            ptx = Path(tmp, f"{direction}.ptx")
+            ptx.write_text(text)
             report = subprocess.run(["ptxas", "-v", f"-arch={arch}", "-o", os.devnull, str(ptx)],
-                                    capture_output=True, text=True).stderr
-            for entry, spill, regs in zip(_ENTRY.findall(report), _SPILL.findall(report),
-                                          _REGS.findall(report)):
-                rows.append((direction, summary, _kernel_role(entry), int(regs), *map(int, spill)))
-    return sorted(rows)
+                                    capture_output=True, text=True, check=True).stderr
+            found = zip(_ENTRY.findall(report), _SPILL.findall(report), _REGS.findall(report))
+            for entry, spill, regs in found:
+                rows.append((direction, key_summary(key), ROLES[order.index(entry)], int(regs),
+                             *map(int, spill)))
+    return sorted(rows, key=lambda row: (row[0] == "bwd", ROLES.index(row[2])))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--arch", default="sm_90a", choices=("sm_90a", "sm_100a"))
+    parser.add_argument("--arch", default="sm_90a", choices=ARCHS)
     args = parser.parse_args()
     if shutil.which("ptxas") is None:
         sys.exit("kernel_resources: ptxas not found on PATH (install the CUDA toolkit)")

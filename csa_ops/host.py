@@ -2,46 +2,42 @@
 
 `supports`, `compressor_forward`, `compressor_backward` and `precompile` are what ops.py
 calls. A kernel family is a module in csa_ops/kernels/ that satisfies `KernelFamily` below
-("window" for coff*ratio <= config.WINDOW_MAX, else "streaming"); host.py owns everything
+(csa_ops.kernels.FAMILIES: "window" for small windows, else "streaming"); host.py owns everything
 torch-side (allocation, alignment checks, pointers, stream) and the compile cache, keyed on
 the frozen `config.KernelKey`. Compiles are pure functions of the key, so `arch="sm_100a"`
-cross-compiles on a machine without that GPU (or without any GPU).
+cross-compiles on a machine without that GPU (or without any GPU). `ARGUMENTS` is the one
+statement of the kernels' argument list: the compile placeholders, the launch values and the
+cache identity all derive from it. Compiled kernels are TVM-FFI functions, exported to the
+persistent cache of `csa_ops.kernel_cache`; a process with a warm cache never imports the DSL.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from . import config, launcher
+from . import config, kernel_cache, launcher
 from .config import KernelKey, LaunchPlan
+from .kernels import FAMILIES, select_key
 
-_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_FAMILY_MODULES = {"window": "csa_ops.kernels.window", "streaming": "csa_ops.kernels.streaming"}
+_TORCH_DTYPES = {getattr(torch, name): name for name in config.DTYPES}
 
 
 class KernelFamily(Protocol):
-    """What a family module exposes (all pure functions of their arguments).
+    """What a family's plan module exposes (pure functions; only launch_entry imports the DSL).
 
     configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey
         Heuristic key (launch knobs filled in) for one direction; dtype/arch as in config.
     supports(key) -> bool
         Whether this family compiles `key` (cheap, no device access).
-    compile_forward(key) / compile_backward(key) -> compiled callable
-        JIT from fake pointers for key.arch. Runtime arguments, in order (pointers are
-        cute.runtime.make_ptr(gmem, assumed_align=key.align_bytes for the dtype tensors,
-        16 for ape/grad_ape/workspace, 4 for cu/cuc); scalars are cutlass.Int32):
-          fwd: kv, score, ape, cu, cuc, out, workspace, num_tokens, num_rows, num_segs, grid,
-               stream
-          bwd: grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape, workspace,
-               num_tokens, num_rows, num_segs, grid, stream
-        num_rows = out.shape[0] (may exceed cuc[-1]); num_segs = cu.numel() - 1. Every output
-        element must be written (outputs come from torch.empty), no float atomics, no read
-        or write out of bounds for any cu/cuc contents.
+    launch_entry(key, backward) -> @cute.jit function
+        The launch entry of one direction; its arguments are ARGUMENTS[direction] then the
+        stream. num_rows = out.shape[0] (may exceed cuc[-1]); num_segs = cu.numel() - 1.
+        Every output element must be written (outputs come from torch.empty), no float
+        atomics, no read or write out of bounds for any cu/cuc contents.
     plan_forward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
     plan_backward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
         Grid size and fp32 workspace elements. Workspace content is undefined on entry; a
@@ -53,8 +49,7 @@ class KernelFamily(Protocol):
         self, ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
     ) -> KernelKey: ...
     def supports(self, key: KernelKey) -> bool: ...
-    def compile_forward(self, key: KernelKey) -> Callable[..., Any]: ...
-    def compile_backward(self, key: KernelKey) -> Callable[..., Any]: ...
+    def launch_entry(self, key: KernelKey, backward: bool) -> Callable[..., Any]: ...
     def plan_forward(
         self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int
     ) -> LaunchPlan: ...
@@ -64,34 +59,7 @@ class KernelFamily(Protocol):
 
 
 # ---------------------------------------------------------------------------------------
-# Family choice
-
-
-_FAMILIES: dict[str, KernelFamily | None] = {}
-
-
-def _family(name: str) -> KernelFamily | None:
-    if name not in _FAMILIES:
-        try:
-            _FAMILIES[name] = importlib.import_module(_FAMILY_MODULES[name])  # type: ignore
-        except ImportError:
-            _FAMILIES[name] = None
-    return _FAMILIES[name]
-
-
-def select_key(
-    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
-) -> KernelKey | None:
-    """The key that would run this problem, or None when no family supports it."""
-    names = ("window", "streaming") if coff * ratio <= config.WINDOW_MAX else ("streaming",)
-    for name in names:
-        fam = _family(name)
-        if fam is None:
-            continue
-        key = fam.configure(ratio, coff, head_dim, dtype, arch, backward)
-        if fam.supports(key):
-            return key
-    return None
+# Devices
 
 
 def device_arch(device: torch.device | int | None = None) -> str | None:
@@ -113,16 +81,53 @@ def _device_info(dev: torch.device) -> tuple[str | None, int]:
 
 
 # ---------------------------------------------------------------------------------------
+# The kernels' argument list
+
+# Pointer kinds: "data" (the key's dtype, key.align_bytes), "f32" (ape, grad_ape, workspace;
+# 16-byte aligned), "idx" (cu, cuc; int32). "i32" is an Int32 scalar. The stream follows.
+ARGUMENTS = {
+    "fwd": (("kv", "data"), ("score", "data"), ("ape", "f32"), ("cu", "idx"), ("cuc", "idx"),
+            ("out", "data"), ("workspace", "f32"), ("num_tokens", "i32"), ("num_rows", "i32"),
+            ("num_segs", "i32"), ("grid", "i32")),
+    "bwd": (("grad_out", "data"), ("kv", "data"), ("score", "data"), ("ape", "f32"),
+            ("cu", "idx"), ("cuc", "idx"), ("grad_kv", "data"), ("grad_score", "data"),
+            ("grad_ape", "f32"), ("workspace", "f32"), ("num_tokens", "i32"),
+            ("num_rows", "i32"), ("num_segs", "i32"), ("grid", "i32")),
+}
+DIRECTIONS = tuple(ARGUMENTS)
+
+
+def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
+    """The argument slots of a compiled kernel, stream excluded: ("ptr", dtype name,
+    assumed alignment) or ("i32",)."""
+    slots = {"data": ("ptr", key.dtype, key.align_bytes), "f32": ("ptr", "float32", 16),
+             "idx": ("ptr", "int32", 4), "i32": ("i32",)}
+    return tuple(slots[kind] for _, kind in ARGUMENTS[direction])
+
+
+def ptx(direction: str, key: KernelKey) -> str:
+    """PTX of one direction of ``key`` (numerics audits and hash checks)."""
+    from .kernels import entry
+
+    launch = FAMILIES[key.family].launch_entry(key, direction == "bwd")
+    return entry.ptx(launch, key.arch, launch_signature(direction, key))
+
+
+# ---------------------------------------------------------------------------------------
 # Compile cache
 
 
-class _Compiled(NamedTuple):
-    kernel: Any  # the DSL's compiled function
-    launch: Callable[[list[int], int], None]  # launcher(values, stream), see csa_ops.launcher
+def _compile(direction: str, key: KernelKey) -> Any:
+    """JIT one direction of ``key`` (the DSL is imported here, and only here)."""
+    from .kernels import entry
+
+    launch = FAMILIES[key.family].launch_entry(key, direction == "bwd")
+    return entry.compile_entry(launch, key.arch, launch_signature(direction, key),
+                               tvm_ffi=launcher.TVM_FFI)
 
 
 class _CompileCache:
-    """One cache for all families and directions, guarded against double compiles.
+    """Kernels by (direction, key): from memory, else the disk cache, else a compile.
 
     One lock for all keys, not one per key: the DSL's compiler keeps per-process session
     state, and two threads compiling different kernels at once fail inside it
@@ -131,15 +136,35 @@ class _CompileCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, KernelKey], _Compiled] = {}
-        self.hits = 0
-        self.misses = 0
+        self._entries: dict[tuple[str, KernelKey], Callable[[list[int], int], None]] = {}
+        self.hits = self.misses = self.disk_loads = 0
 
-    def get(self, direction: str, key: KernelKey) -> _Compiled:
+    def get(self, direction: str, key: KernelKey) -> Callable[[list[int], int], None]:
         entry = self._entries.get((direction, key))
         if entry is not None:
             self.hits += 1
             return entry
+        with self._lock:
+            entry = self._entries.get((direction, key))
+            if entry is None:
+                entry = self._entries[(direction, key)] = self._build(direction, key)
+            else:
+                self.hits += 1
+        return entry
+
+    def _build(self, direction: str, key: KernelKey) -> Callable[[list[int], int], None]:
+        signature = launch_signature(direction, key)
+        if launcher.TVM_FFI and kernel_cache.enabled():
+            ident = kernel_cache.identity(f"{direction} {key!r}", signature)
+            kernel, built = kernel_cache.get_or_build(
+                ident, lambda: self._compile_now(direction, key))
+            if not built:
+                self.disk_loads += 1
+        else:
+            kernel = self._compile_now(direction, key)
+        return launcher.make_launcher(kernel, signature)
+
+    def _compile_now(self, direction: str, key: KernelKey) -> Any:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"csa_ops: the {direction} kernel for {key} is not compiled and a CUDA graph "
@@ -147,28 +172,26 @@ class _CompileCache:
                 f"ratio={key.ratio}, head_dim={key.head_dim}, coff={key.coff}, dtype=torch."
                 f"{key.dtype}) (or run the op once eagerly) before capturing."
             )
+        self.misses += 1
+        return _compile(direction, key)
+
+    def export(self, direction: str, key: KernelKey, root) -> bool:
+        """Make sure the disk cache under ``root`` holds this kernel (cross-compiling:
+        nothing is loaded); True when it had to be compiled."""
+        ident = kernel_cache.identity(f"{direction} {key!r}", launch_signature(direction, key))
         with self._lock:
-            entry = self._entries.get((direction, key))
-            if entry is None:
-                fam = _family(key.family)
-                if fam is None:
-                    raise RuntimeError(f"csa_ops: kernel family {key.family!r} is unavailable")
-                compile_fn = fam.compile_forward if direction == "fwd" else fam.compile_backward
-                kernel = compile_fn(key)
-                launch = launcher.make_launcher(kernel, launch_signature(direction, key))
-                entry = self._entries[(direction, key)] = _Compiled(kernel, launch)
-                self.misses += 1
-            else:
-                self.hits += 1
-        return entry
+            _, built = kernel_cache.get_or_build(ident, lambda: self._compile_now(direction, key),
+                                                 root=root, load=False)
+        return built
 
     def info(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "size": len(self._entries)}
+        return {"hits": self.hits, "misses": self.misses, "disk_loads": self.disk_loads,
+                "size": len(self._entries)}
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.hits = self.misses = 0
+            self.hits = self.misses = self.disk_loads = 0
 
 
 _CACHE = _CompileCache()
@@ -176,19 +199,32 @@ cache_info = _CACHE.info
 cache_clear = _CACHE.clear
 
 
-def precompile(
-    ratio: int,
-    head_dim: int,
-    coff: int,
-    dtype: torch.dtype = torch.bfloat16,
-    arch: str | None = None,
-) -> list[KernelKey]:
-    """Compile forward and backward kernels for one configuration; returns their keys.
+def configuration_keys(ratio: int, head_dim: int, coff: int, dtype: torch.dtype,
+                       arch: str) -> list[tuple[str, KernelKey]]:
+    """(direction, key) of both directions of one configuration; a clear error when no
+    kernel family covers it."""
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"precompile: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype}")
+    if arch not in config.ARCHS:
+        raise ValueError(f"precompile: arch must be one of {config.ARCHS}, got {arch!r}")
+    keys = []
+    for direction in DIRECTIONS:
+        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction == "bwd")
+        if key is None:
+            raise ValueError(
+                f"precompile: no kernel family supports ratio={ratio}, coff={coff}, "
+                f"head_dim={head_dim}, dtype={dtype}"
+            )
+        keys.append((direction, key))
+    return keys
+
+
+def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype = torch.bfloat16,
+               arch: str | None = None) -> list[KernelKey]:
+    """Compile (or load from the disk cache) both directions of one configuration.
 
     arch None means the current CUDA device; "sm_90a"/"sm_100a" cross-compile without a GPU.
     """
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"precompile: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype}")
     if arch is None:
         if not torch.cuda.is_available():
             raise RuntimeError("precompile: no CUDA device; pass arch='sm_90a' or 'sm_100a'")
@@ -198,19 +234,10 @@ def precompile(
                 f"precompile: no kernel targets compute capability "
                 f"{torch.cuda.get_device_capability()}; supported: {config.ARCHS}"
             )
-    if arch not in config.ARCHS:
-        raise ValueError(f"precompile: arch must be one of {config.ARCHS}, got {arch!r}")
-    keys = []
-    for direction, backward in (("fwd", False), ("bwd", True)):
-        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, backward)
-        if key is None:
-            raise ValueError(
-                f"precompile: no kernel family supports ratio={ratio}, coff={coff}, "
-                f"head_dim={head_dim}, dtype={dtype}"
-            )
+    keys = configuration_keys(ratio, head_dim, coff, dtype, arch)
+    for direction, key in keys:
         _CACHE.get(direction, key)
-        keys.append(key)
-    return keys
+    return [key for _, key in keys]
 
 
 # ---------------------------------------------------------------------------------------
@@ -229,8 +256,10 @@ def _key_for(
 
 
 def set_key(key: KernelKey, backward: bool) -> None:
-    """Pins the key used for key's problem and direction (autotuning; see config enumerators)."""
+    """Pins the key used for key's problem and direction (autotuning: see the families'
+    enumerate_keys)."""
     _KEYS[(key.ratio, key.coff, key.head_dim, key.dtype, key.arch, bool(backward))] = key
+    _PROBLEMS.clear()
 
 
 def supports(
@@ -265,106 +294,159 @@ def supports_config(device: torch.device, dtype: torch.dtype, ratio: int, coff: 
     return all(_key_for(ratio, coff, head_dim, name, arch, b) is not None for b in (0, 1))
 
 
+class Problem(NamedTuple):
+    """What a call of one direction needs besides its tensors, resolved once per
+    (device, dtype, ratio, coff, head_dim, direction)."""
+
+    key: KernelKey
+    family: KernelFamily
+    num_sms: int
+    device_index: int
+    ratio: int
+    coff: int
+    plans: dict  # (num_tokens, num_rows) -> LaunchPlan
+
+
+_PROBLEMS: dict[tuple, Problem] = {}
+
+
+def _resolve(device: torch.device, dtype: torch.dtype, ratio: int, coff: int, head_dim: int,
+             direction: str) -> Problem | None:
+    memo = (device, dtype, ratio, coff, head_dim, direction)
+    problem = _PROBLEMS.get(memo)
+    if problem is None:
+        arch, num_sms = _device_info(device)
+        if arch is None:
+            return None
+        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction == "bwd")
+        if key is None:
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        problem = _PROBLEMS[memo] = Problem(key, FAMILIES[key.family], num_sms, index, ratio,
+                                            coff, {})
+    return problem
+
+
+def problem(direction: str, kv: torch.Tensor, score: torch.Tensor, cu: torch.Tensor,
+            cuc: torch.Tensor, ratio: int, coff: int) -> Problem | None:
+    """The kernel problem of a validated call, None when no kernel runs it (the reference
+    does). ape may have any float dtype: the kernels take it upcast to fp32."""
+    if not kv.is_cuda or kv.dtype not in _TORCH_DTYPES or score.dtype != kv.dtype:
+        return None
+    if cu.dtype != torch.int32 or cuc.dtype != torch.int32 or cu.numel() < 1:
+        return None
+    if kv.dim() != 2 or kv.shape[1] % coff or kv.shape[1] == 0:
+        return None
+    if not supports_config(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff):
+        return None
+    return _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, direction)
+
+
+def _plan(problem: Problem, direction: str, num_tokens: int, num_rows: int) -> LaunchPlan:
+    plan = problem.plans.get((num_tokens, num_rows))
+    if plan is None:
+        make = problem.family.plan_backward if direction == "bwd" else problem.family.plan_forward
+        plan = make(problem.key, num_tokens, num_rows, problem.num_sms)
+        if len(problem.plans) >= 1024:
+            problem.plans.clear()
+        problem.plans[(num_tokens, num_rows)] = plan
+    return plan
+
+
+_MULTI_GPU: list[bool] = []
+
+
+def _needs_device_switch(index: int) -> bool:
+    if not _MULTI_GPU:
+        _MULTI_GPU.append(torch.cuda.device_count() > 1)
+    return _MULTI_GPU[0] and index != torch.cuda.current_device()
+
+
 def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
     # A contiguous view can start at any element; the kernels assume aligned vectors.
     return t if t.data_ptr() % align == 0 else t.clone()
 
 
-# Pointer arguments of each direction, in the order of KernelFamily's runtime arguments:
-# "data" (the key's dtype), "f32" (ape, grad_ape, workspace), "idx" (cu, cuc). Four Int32
-# scalars follow (num_tokens, num_rows, num_segs, grid), then the stream.
-_POINTERS = {
-    "fwd": ("data", "data", "f32", "idx", "idx", "data", "f32"),
-    "bwd": ("data", "data", "data", "f32", "idx", "idx", "data", "data", "f32", "f32"),
-}
-_SCALARS = 4
-
-
-def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
-    """The argument slots of a compiled kernel (see csa_ops.launcher), stream excluded."""
-    slots = {"data": ("ptr", getattr(torch, key.dtype), key.align_bytes),
-             "f32": ("ptr", torch.float32, 16), "idx": ("ptr", torch.int32, 4)}
-    return tuple(slots[kind] for kind in _POINTERS[direction]) + (("i32",),) * _SCALARS
-
-
-def _launch(direction: str, key: KernelKey, plan: LaunchPlan, tensors: list[torch.Tensor],
+def _launch(direction: str, problem: Problem, plan: LaunchPlan, tensors: list[torch.Tensor],
             sizes: list[int], ape: torch.Tensor) -> None:
-    """One launch on the current stream of the tensors' device; `tensors` in signature order
+    """One launch on the current stream of the tensors' device; `tensors` in ARGUMENTS order
     without the workspace, `sizes` = (num_tokens, num_rows, num_segs)."""
-    launch = _CACHE.get(direction, key).launch
-    device = ape.device
+    launch = _CACHE.get(direction, problem.key)
     # With no workspace the slot gets some fp32 pointer the kernel never touches.
-    work = (torch.empty(plan.workspace, dtype=torch.float32, device=device)
+    work = (torch.empty(plan.workspace, dtype=torch.float32, device=ape.device)
             if plan.workspace else ape)
     values = [t.data_ptr() for t in tensors]
     values.append(work.data_ptr())
-    values.extend(sizes)
+    values += sizes
     values.append(plan.grid)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = problem.device_index
     stream = launcher.current_stream_handle(index)
-    if index == torch.cuda.current_device():
+    if not _needs_device_switch(index):
         launch(values, stream)
         return
-    # The DSL launches into the current context: make it the tensors' device for this call.
-    with torch.cuda.device(device):
+    # Kernels launch into the current context: make it the tensors' device for this call.
+    with torch.cuda.device(index):
         launch(values, stream)
 
 
-def _resolve(kv: torch.Tensor, ratio: int, coff: int, head_dim: int, backward: bool):
-    """(key, family module, SM count) of one direction for kv's device and dtype."""
-    arch, num_sms = _device_info(kv.device)
-    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[kv.dtype], arch, backward)
-    if key is None:
-        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} d={head_dim}")
-    return key, _family(key.family), num_sms
-
-
-def compressor_forward(
-    kv: torch.Tensor,
-    score: torch.Tensor,
-    ape: torch.Tensor,
-    cu: torch.Tensor,
-    cuc: torch.Tensor,
-    ratio: int,
-    coff: int,
-    total_comp: int,
-) -> torch.Tensor:
+def compressor_forward(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
+                       ape: torch.Tensor, cu: torch.Tensor, cuc: torch.Tensor,
+                       total_comp: int) -> torch.Tensor:
     """out (total_comp, head_dim): every row written, padding rows n >= cuc[-1] as zeros."""
-    head_dim = kv.shape[1] // coff
-    out = torch.empty((total_comp, head_dim), dtype=kv.dtype, device=kv.device)
+    key = problem.key
+    out = torch.empty((total_comp, key.head_dim), dtype=kv.dtype, device=kv.device)
     if total_comp == 0:
         return out
-    key, fam, num_sms = _resolve(kv, ratio, coff, head_dim, backward=False)
-    plan = fam.plan_forward(key, kv.shape[0], total_comp, num_sms)
+    plan = _plan(problem, "fwd", kv.shape[0], total_comp)
     kv, score = _aligned(kv, key.align_bytes), _aligned(score, key.align_bytes)
     ape = _aligned(ape, 16)
-    sizes = [kv.shape[0], total_comp, cu.numel() - 1]
-    _launch("fwd", key, plan, [kv, score, ape, cu, cuc, out], sizes, ape)
+    sizes = [kv.shape[0], total_comp, cu.shape[0] - 1]
+    _launch("fwd", problem, plan, [kv, score, ape, cu, cuc, out], sizes, ape)
     return out
 
 
-def compressor_backward(
-    grad_out: torch.Tensor,
-    kv: torch.Tensor,
-    score: torch.Tensor,
-    ape: torch.Tensor,
-    cu: torch.Tensor,
-    cuc: torch.Tensor,
-    ratio: int,
-    coff: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compressor_backward(problem: Problem, grad_out: torch.Tensor, kv: torch.Tensor,
+                        score: torch.Tensor, ape: torch.Tensor, cu: torch.Tensor,
+                        cuc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_kv, grad_score, grad_ape); never-consumed elements are exact zeros."""
-    num_tokens, width = kv.shape
-    head_dim = width // coff
+    key = problem.key
+    num_tokens = kv.shape[0]
     grad_kv = torch.empty_like(kv)
     grad_score = torch.empty_like(score)
-    grad_ape = torch.empty((ratio, width), dtype=torch.float32, device=kv.device)
-    key, fam, num_sms = _resolve(kv, ratio, coff, head_dim, backward=True)
+    grad_ape = torch.empty(ape.shape, dtype=torch.float32, device=kv.device)
     num_rows = grad_out.shape[0]
-    plan = fam.plan_backward(key, num_tokens, num_rows, num_sms)
+    plan = _plan(problem, "bwd", num_tokens, num_rows)
     a = key.align_bytes
     grad_out, kv, score = _aligned(grad_out, a), _aligned(kv, a), _aligned(score, a)
     ape = _aligned(ape, 16)
     tensors = [grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape]
-    _launch("bwd", key, plan, tensors, [num_tokens, num_rows, cu.numel() - 1], ape)
+    _launch("bwd", problem, plan, tensors, [num_tokens, num_rows, cu.shape[0] - 1], ape)
     return grad_kv, grad_score, grad_ape
+
+
+def run_forward(kv, score, ape, cu, cuc, ratio: int, coff: int, total_comp: int):
+    """The forward kernel on validated inputs (tests and benchmarks call the kernels here)."""
+    found = problem("fwd", kv, score, cu, cuc, ratio, coff)
+    if found is None:
+        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} "
+                           f"width={kv.shape[1]} {kv.dtype} on {kv.device}")
+    return compressor_forward(found, kv, score, ape.float(), cu, cuc, total_comp)
+
+
+def run_backward(grad_out, kv, score, ape, cu, cuc, ratio: int, coff: int):
+    """The backward kernels on validated inputs; grad_ape in fp32."""
+    found = problem("bwd", kv, score, cu, cuc, ratio, coff)
+    if found is None:
+        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} "
+                           f"width={kv.shape[1]} {kv.dtype} on {kv.device}")
+    return compressor_backward(found, grad_out, kv, score, ape.float(), cu, cuc)
+
+
+def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> None:
+    """Launch any key of a family (autotuning, launch-plan tests) on the current stream:
+    ``tensors`` in ARGUMENTS order (workspace included), ``sizes`` = (num_tokens, num_rows,
+    num_segs)."""
+    launch = _CACHE.get(direction, key)
+    index = tensors[0].device.index or 0
+    launch([t.data_ptr() for t in tensors] + [*sizes, grid],
+           launcher.current_stream_handle(index))

@@ -7,15 +7,14 @@ call, and audits the PTX numerics the bitwise contract rests on.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
 import torch
 
-from csa_ops import host, launcher
-from csa_ops.config import KernelKey, window_key
-from csa_ops.kernels import window
+from csa_ops import host
+from csa_ops.config import KernelKey, StreamingKnobs, WindowKnobs, parse_knobs, with_knobs
+from csa_ops.kernels import FAMILIES, select_key, streaming_plan, window_plan
 
 ARCHS = ("sm_90a", "sm_100a")
 CONFIGS = (  # ratio, coff, head_dim, dtype
@@ -57,22 +56,22 @@ def test_ptx_pins_rounding_and_accurate_exp(arch, backward):
     # same per element, so this key audits it and the widest access path at once).
     # fast_exp=0: the bf16 forward's default is the fast path (audited below); the exact one
     # is what fp16 and fp32 run, and what the backward always runs.
-    key = dataclasses.replace(window_key(4, 2, 512, "bfloat16", arch, backward), vec=8,
-                              threads=128, knobs=(("fast_exp", 0),))
-    text = window.ptx(key, backward)
+    key = KernelKey("window", 4, 2, 512, "bfloat16", arch, WindowKnobs(vec=8, threads=128))
+    text = host.ptx("bwd" if backward else "fwd", key)
     assert f".target {arch}" in text
     exps = text.count("ex2.approx.ftz.f32")
-    assert exps == key.window * key.vec  # one exp per window entry and column
+    assert exps == key.window * key.knobs.vec  # one exp per window entry and column
     # libdevice expf: one fma.rm range reduction, three fma.rn, one unpinned mul and add per
     # exp; the division (common.divide_into): one div.rn reciprocal per column, four fma.rn
     # per quotient (two Markstein corrections) and the exact div.rn per quotient on the
     # rare tiny-numerator path. Any other FMA or unpinned mul/add would be a contraction of
     # the reference's separately rounded operations.
     assert text.count("fma.rm.f32") == exps
-    assert text.count("fma.rn.f32") == (3 + 4) * exps
+    # The backward adds torch's softmax-backward epilogue t - p * sum: one FMA per entry.
+    assert text.count("fma.rn.f32") == (3 + 4 + int(backward)) * exps
     assert len(re.findall(r"\tmul\.f32", text)) == exps
     assert len(re.findall(r"\tadd\.f32", text)) == exps
-    assert text.count("div.rn.f32") == exps + key.vec
+    assert text.count("div.rn.f32") == exps + key.knobs.vec
     for approx in ("div.approx", "div.full", "rcp.approx", "fma.rz", "lg2.approx"):
         assert approx not in text
     assert "ld.global.v4" in text and "st.global.v4" in text  # 16-byte accesses
@@ -83,45 +82,86 @@ def test_ptx_of_the_fast_forward(arch):
     # The bf16 forward default: per column one certified fast pass (ex2.approx without
     # libdevice's range reduction, one division) and the exact path as its fallback (one
     # libdevice expf and one division per entry, plus the reciprocal).
-    key = window_key(4, 2, 512, "bfloat16", arch, False)
-    assert key.knob("fast_exp", 0) == 1
-    assert window_key(4, 2, 512, "float16", arch, False).knob("fast_exp", 0) == 0
-    assert window_key(4, 2, 512, "bfloat16", arch, True).knob("fast_exp", 0) == 0
-    text = window.ptx(key, False)
-    entries = key.window * key.vec
+    key = window_plan.configure(4, 2, 512, "bfloat16", arch, False)
+    assert key.knobs.fast_exp
+    assert not window_plan.configure(4, 2, 512, "float16", arch, False).knobs.fast_exp
+    assert not window_plan.configure(4, 2, 512, "bfloat16", arch, True).knobs.fast_exp
+    text = host.ptx("fwd", key)
+    vec = key.knobs.vec
+    entries = key.window * vec
     assert text.count("ex2.approx.ftz.f32") == 2 * entries
     assert text.count("fma.rm.f32") == entries  # the fallback's expf only
-    assert text.count("div.rn.f32") == key.vec + (entries + key.vec)
-    assert text.count("setp.ge.f32") == key.vec  # one certificate test per column
+    assert text.count("div.rn.f32") == vec + (entries + vec)
+    assert text.count("setp.ge.f32") == vec  # one certificate test per column
+
+
+def _vec_threads(ratio, coff, head_dim, dtype, backward):
+    knobs = window_plan.configure(ratio, coff, head_dim, dtype, "sm_90a", backward).knobs
+    return knobs.vec, knobs.threads
 
 
 def test_wide_windows_trade_vector_width():
     # Past window 8 the register budget sets the vector: 64 elements per tensor per thread.
-    assert window_key(16, 2, 512, "bfloat16", "sm_90a", True).vec == 2
-    assert window_key(32, 1, 512, "float16", "sm_90a", False).vec == 2
-    assert window_key(16, 2, 512, "bfloat16", "sm_90a", False).threads == 128
-    assert window_key(1, 1, 7, "bfloat16", "sm_90a", False).vec == 1
+    assert _vec_threads(16, 2, 512, "bfloat16", True)[0] == 2
+    assert _vec_threads(32, 1, 512, "float16", False)[0] == 2
+    assert _vec_threads(16, 2, 512, "bfloat16", False)[1] == 128
+    assert _vec_threads(1, 1, 7, "bfloat16", False)[0] == 1
 
 
 def test_short_windows_trade_vector_width_for_threads():
-    # The H200 sweeps (config.window_key): latency-bound kernels want threads.
+    # The H200 sweeps (window_plan._vec_threads): latency-bound kernels want threads.
     for head_dim in (128, 512):
-        backward = window_key(4, 2, head_dim, "bfloat16", "sm_90a", True)
-        assert (backward.vec, backward.threads) == (2, 256)
-    assert (window_key(4, 2, 128, "bfloat16", "sm_90a", False).vec,
-            window_key(4, 2, 128, "bfloat16", "sm_90a", False).threads) == (2, 256)
-    wide_forward = window_key(4, 2, 512, "bfloat16", "sm_90a", False)
-    assert (wide_forward.vec, wide_forward.threads) == (4, 128)
-    assert window_key(4, 2, 512, "float32", "sm_90a", False).vec == 4
+        assert _vec_threads(4, 2, head_dim, "bfloat16", True) == (2, 256)
+    assert _vec_threads(4, 2, 128, "bfloat16", False) == (2, 256)
+    assert _vec_threads(4, 2, 512, "bfloat16", False) == (4, 128)
+    assert _vec_threads(4, 2, 512, "float32", False)[0] == 4
+
+
+def test_select_key_picks_the_family_by_window():
+    assert select_key(4, 2, 128, "bfloat16", "sm_90a", True).family == "window"
+    assert select_key(16, 2, 128, "bfloat16", "sm_90a", True).family == "window"
+    assert select_key(128, 2, 512, "float16", "sm_90a", False).family == "streaming"
+    assert select_key(128, 2, 512, "float32", "sm_90a", False) is None  # streaming: 16-bit
+    for name, plan in FAMILIES.items():
+        key = plan.configure(64 if name == "streaming" else 4, 2, 128, "bfloat16", "sm_90a",
+                             True)
+        assert plan.supports(key) and list(plan.enumerate_keys(
+            key.ratio, 2, 128, "bfloat16", "sm_90a", True))
+
+
+def test_each_knob_has_one_default():
+    # pdl: both families launch with PDL unless their heuristic says otherwise.
+    assert WindowKnobs(vec=2, threads=256).pdl and StreamingKnobs(8, 8, 1, 4, 2, 2).pdl
+    stream_fwd = streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", False)
+    assert not stream_fwd.knobs.pdl  # two warps per column vector: measured slower with PDL
+    assert streaming_plan.configure(128, 1, 512, "bfloat16", "sm_90a", False).knobs.pdl
+
+
+def test_knob_overrides_are_checked():
+    key = window_plan.configure(4, 2, 128, "bfloat16", "sm_90a", True)
+    assert with_knobs(key, **parse_knobs("pdl=0,min_ctas=3")).knobs == WindowKnobs(
+        vec=2, threads=256, pdl=False, min_ctas=3)
+    assert repr(with_knobs(key, pdl=0)) == repr(with_knobs(key, pdl=False))  # one spelling
+    with pytest.raises(ValueError, match="no knob lnear"):
+        with_knobs(key, lnear=0)
+    with pytest.raises(ValueError, match="no knob cv"):  # a streaming knob
+        window_plan.configure(4, 2, 128, "bfloat16", "sm_90a", True, cv=4)
+    with pytest.raises(ValueError, match="bool"):
+        with_knobs(key, pdl=2)
+    with pytest.raises(ValueError, match="name=integer"):
+        parse_knobs("pdl")
 
 
 def test_key_rejects_bad_values():
+    knobs = WindowKnobs(vec=1, threads=128)
     with pytest.raises(ValueError, match="arch"):
-        KernelKey("window", 4, 2, 128, "bfloat16", "sm_80")
+        KernelKey("window", 4, 2, 128, "bfloat16", "sm_80", knobs)
     with pytest.raises(ValueError, match="dtype"):
-        KernelKey("window", 4, 2, 128, "int8", "sm_90a")
+        KernelKey("window", 4, 2, 128, "int8", "sm_90a", knobs)
     with pytest.raises(ValueError, match="vec"):
-        KernelKey("window", 4, 2, 100, "bfloat16", "sm_90a", vec=8)
+        KernelKey("window", 4, 2, 100, "bfloat16", "sm_90a", WindowKnobs(vec=8, threads=128))
+    with pytest.raises(ValueError, match="StreamingKnobs"):
+        KernelKey("streaming", 128, 2, 128, "bfloat16", "sm_90a", knobs)
     with pytest.raises(ValueError, match="arch"):
         host.precompile(4, 128, 2, torch.bfloat16, arch="sm_75")
 
@@ -129,16 +169,15 @@ def test_key_rejects_bad_values():
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backward", (False, True), ids=("fwd", "bwd"))
 @pytest.mark.parametrize("ratio", (4, 128), ids=("window", "streaming"))
-def test_launch_signature_matches_compiled_entry(ratio, backward, arch):
-    # The host's slots (pointers, alignments, scalars, stream) must be what the compiled
-    # entry takes, and the prepacked layout must read back through the DSL's own argument
-    # conversion (csa_ops.launcher), for both families and archs; no GPU involved.
+def test_argument_table_compiles_both_families(ratio, backward, arch):
+    # The entries compile from placeholders built from host.ARGUMENTS alone (a slot too many
+    # or too few, or a wrong pointer type, fails the compile), for both families and archs.
     direction = "bwd" if backward else "fwd"
     key = host.select_key(ratio, 2, 64, "bfloat16", arch, backward)
-    entry = host._CACHE.get(direction, key)
-    signature = host.launch_signature(direction, key)
-    assert launcher.layout_mismatch(entry.kernel, signature) is None
-    assert entry.launch.prepacked
+    assert callable(host._CACHE.get(direction, key))
+    names = [name for name, _ in host.ARGUMENTS[direction]]
+    assert names[-4:] == ["num_tokens", "num_rows", "num_segs", "grid"]
+    assert len(host.launch_signature(direction, key)) == len(names)
 
 
 def test_supports_config_is_the_metadata_half_of_supports(monkeypatch):

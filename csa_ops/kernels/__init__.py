@@ -1,6 +1,10 @@
 """CuTe-DSL kernel families of the compressor (see csa_ops.host.KernelFamily for the contract).
 
-window: register-window kernels for coff * ratio <= config.WINDOW_MAX.
-streaming: kernels for large ratios.
-common: device helpers shared by the families.
+Per family, a plan module without the DSL (window_plan, streaming_plan: keys, support,
+launch plans) and a device module (window: register-window kernels for coff * ratio <=
+window_plan.WINDOW_MAX; streaming: large windows). common and reduce hold shared device code.
 """
+
+from .families import FAMILIES, select_key
+
+__all__ = ["FAMILIES", "select_key"]

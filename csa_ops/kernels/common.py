@@ -12,8 +12,15 @@ import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, cute
 from cutlass._mlir_helpers.math import RoundingMode
 
+from ..config import TYPES
+
 _RN = RoundingMode.NEAREST_EVEN
 LOG2E = 1.4426950408889634  # exp(x) = 2**(x * LOG2E), for the ex2.approx softmax paths
+
+
+def dsl_type(name: str) -> type:
+    """The DSL element type of a config.TYPES name ("bfloat16" -> cutlass.BFloat16)."""
+    return getattr(cutlass, TYPES[name].dsl)
 
 
 @cute.jit

@@ -7,7 +7,7 @@ a 32 * kt slice of the window (one entry per lane and step): the softmax runs as
 over the tile (max; then exp, sum and sum e*v) with reductions by warp shuffles in a fixed
 order (bitwise run-to-run deterministic). The backward writes its gradients back into the tile
 and stores them coalesced. grad_ape: per-CTA partials in registers, written to the workspace
-and summed over CTAs in a fixed order by a second kernel.
+and summed over CTAs by reduce.py's fixed-order sum. Keys and plans: streaming_plan.py.
 """
 
 from __future__ import annotations
@@ -18,111 +18,12 @@ import cutlass
 from cutlass import Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
-from ..config import ELEM_BYTES, KernelKey, LaunchPlan, widest_vec
+from ..config import KernelKey
 from . import common as cm
+from .reduce import launch_sum_parts
+from .streaming_plan import MAX_ROWS
 
-MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
-MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
-SMEM_PER_SM = 227 * 1024
-FWD_FAST_EXP = 1  # forward exp via ex2.approx: within one output rounding step
-
-
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, x))))
-
-
-def _shape(window: int, head_dim: int, vec: int) -> tuple[int, int, int]:
-    """(cv, wpc, kt): column vectors per CTA, warps per column vector, entries per lane."""
-    wpc = _pow2_ceil(-(-window // (32 * MAX_KT)))
-    cv = max(1, min(8, _pow2_ceil(-(-head_dim // vec)), 16 // wpc))
-    kt = -(-window // (32 * wpc))
-    return cv, wpc, kt
-
-
-def _smem_bytes(key: KernelKey, backward: bool, stages: int) -> int:
-    cv, wpc, kt = key.knob("cv", 1), key.knob("wpc", 1), key.knob("kt", 1)
-    cols, wpad = cv * key.vec, 32 * kt * wpc
-    stage = (2 * wpad + (1 if backward else 0)) * cols * ELEM_BYTES[key.dtype]
-    fixed = wpad * cols * 4 + 3 * cols * wpc * 4 + 2 * MAX_ROWS * 4
-    return fixed + stages * stage + 1024
-
-
-def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
-              cv: int | None = None, ctas: int | None = None, stages: int | None = None,
-              fast_exp: int | None = None, lean: int = 0, pdl: int | None = None) -> KernelKey:
-    """Heuristic key; the keyword arguments override the heuristic (autotuning)."""
-    eb = ELEM_BYTES[dtype]
-    vec = widest_vec(head_dim, eb, 16 // eb)
-    cv0, wpc, kt = _shape(coff * ratio, head_dim, vec)
-    if cv is None:
-        # Forward with two warps per column vector: 64-byte rows and two CTAs per SM beat
-        # one 512-thread CTA (H200: -6% at ratio 128, coff 2).
-        cv = min(cv0, 4) if wpc == 2 and not backward else cv0
-    nt = 32 * cv * wpc
-    shape = (("cv", cv), ("wpc", wpc), ("kt", kt))
-    key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
-                    knobs=shape)
-    ctas = max(1, min(4, 512 // nt)) if ctas is None else ctas
-    while stages is None:
-        fits = [s for s in (4, 3, 2) if _smem_bytes(key, backward, s) * ctas <= SMEM_PER_SM]
-        if fits or ctas == 1:
-            stages = fits[0] if fits else 2
-        else:
-            ctas -= 1
-    # Programmatic dependent launch: H200 bench, PDL against none (previous run, same code
-    # otherwise): the backward and the one-warp-per-column forward gain 1-7% (r128 c1
-    # 1x65536 d128 fwd 13.1 against 14.0 us), but the forward with two warps per column
-    # (coff 2) loses 7-13% (1x131072 d512 168.1 against 149.0 us), so it launches plainly.
-    if pdl is None:
-        pdl = 0 if wpc == 2 and not backward else 1
-    knobs = (*shape, ("stages", stages), ("ctas", ctas),
-             ("fast_exp", (0 if backward else FWD_FAST_EXP) if fast_exp is None else fast_exp),
-             ("lean", lean), ("pdl", pdl))
-    return KernelKey("streaming", ratio, coff, head_dim, dtype, arch, vec=vec, threads=nt,
-                     knobs=knobs)
-
-
-def supports(key: KernelKey) -> bool:
-    if key.family != "streaming" or key.dtype not in ("bfloat16", "float16"):
-        return False
-    cv, wpc, kt = (key.knob(n, 0) for n in ("cv", "wpc", "kt"))
-    if min(cv, wpc, kt) < 1 or kt > MAX_KT or key.threads != 32 * cv * wpc:
-        return False
-    if key.knob("stages", 1) < 2:  # the loop waits for row j while row j+1 is in flight
-        return False
-    if key.threads > 1024 or 32 * wpc * kt < key.window or 32 % key.vec:
-        return False
-    return _smem_bytes(key, True, key.knob("stages", 1)) <= SMEM_PER_SM  # bwd: the larger
-
-
-def _plan(key: KernelKey, num_rows: int, num_sms: int, backward: bool) -> LaunchPlan:
-    cb = -(-key.head_dim // (key.knob("cv", 1) * key.vec))
-    slots = max(1, num_sms * key.knob("ctas", 1))
-    groups = min(max(1, slots // cb), max(1, num_rows))
-    # Even out rows per CTA and keep each CTA's rows within its row table.
-    per_cta = min(max(1, -(-num_rows // groups)), MAX_ROWS)
-    groups = max(1, -(-num_rows // per_cta))
-    work = groups * key.ratio * key.coff * key.head_dim if backward else 0
-    return LaunchPlan(grid=groups * cb, workspace=work)
-
-
-def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    return _plan(key, num_rows, num_sms, False)
-
-
-def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    return _plan(key, num_rows, num_sms, True)
-
-
-def compile_forward(key: KernelKey):
-    return _compile(key, backward=False)
-
-
-def compile_backward(key: KernelKey):
-    return _compile(key, backward=True)
-
-
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+_SUM_SPLIT = 16  # grad_ape sum: warps per CTA, each summing every 16th CTA partial
 
 
 def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
@@ -134,17 +35,17 @@ class _Streaming:
     """One compiled configuration; every attribute is a compile-time constant."""
 
     def __init__(self, key: KernelKey, backward: bool):
-        self.dtype = _DTYPES[key.dtype]
+        k = key.knobs
+        self.dtype = cm.dsl_type(key.dtype)
         self.d, self.r, self.co = key.head_dim, key.ratio, key.coff
         self.w = self.r * self.co
-        self.vec, self.nt = key.vec, key.threads
-        self.cv, self.wpc, self.kt = key.knob("cv", 1), key.knob("wpc", 1), key.knob("kt", 1)
+        self.vec, self.nt = k.vec, k.threads
+        self.cv, self.wpc, self.kt = k.cv, k.wpc, k.kt
         self.wpad = 32 * self.kt * self.wpc
-        self.stages, self.ctas = key.knob("stages", 1), key.knob("ctas", 1)
-        self.fast_exp = bool(key.knob("fast_exp", 0))
-        self.pdl = bool(key.knob("pdl", 0))  # programmatic dependent launch
+        self.stages, self.ctas = k.stages, k.ctas
+        self.fast_exp, self.pdl = k.fast_exp, k.pdl
         # lean: rows whose whole window exists skip the per-entry masks (same results).
-        self.lean = bool(key.knob("lean", 0)) and self.wpad == self.w
+        self.lean = k.lean and self.wpad == self.w
         self.bwd = backward
         self.ncv = self.d // self.vec  # column vectors per coff-half
         self.cb = -(-self.ncv // self.cv)
@@ -550,31 +451,6 @@ class _Streaming:
             if lo < hi:
                 self._zero_range(gGkv, gGsc, lo, hi, hh, cb, tid)
 
-    @cute.kernel
-    def combine(self, mWork: cute.Tensor, mGape: cute.Tensor, groups: Int32):
-        """grad_ape[e] = sum of the CTA partials: warp w sums groups w, w + 16, ... in order,
-        then warp 0 sums the 16 warp sums in order (fixed order, many loads in flight)."""
-        cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        lane = tid % 32
-        warp = tid // 32
-        e = bid * 32 + lane
-        size = self.r * self.co * self.d
-        smem = cutlass.memory.SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((32, 16)), 16)
-        acc = Float32(0.0)
-        if e < size:
-            for g in cutlass.range(warp, groups, 16, unroll=4):
-                acc = acc + mWork[g * size + e]
-        sPart[lane, warp] = acc
-        cute.arch.barrier()
-        if warp == 0 and e < size:
-            tot = sPart[lane, 0]
-            for w in cutlass.range_constexpr(1, 16):
-                tot = tot + sPart[lane, w]
-            mGape[e] = tot
-
     # ---------------------------------------------------------------- launch entries
     def _launch_main(self, gKV, gSc, p_ape, p_cu, p_cuc, gOut, gGo, gGkv, gGsc, gWork,
                      num_tokens, num_rows, num_segs, groups, stream):
@@ -623,28 +499,10 @@ class _Streaming:
                           self._rows(p_gkv, num_tokens, width),
                           self._rows(p_gsc, num_tokens, width), gWork, num_tokens, num_rows,
                           num_segs, groups, stream)
-        size = self.r * width
-        mWork = cute.make_tensor(p_work, cute.make_layout(groups * size))
-        mGape = cute.make_tensor(p_gape, cute.make_layout(size))
-        self.combine(mWork, mGape, groups).launch(
-            grid=((size + 31) // 32, 1, 1), block=(512, 1, 1), stream=stream,
-            use_pdl=self.pdl)
+        launch_sum_parts(p_work, p_gape, groups, self.r * width, _SUM_SPLIT, self.pdl, stream)
 
 
-def _compile(key: KernelKey, backward: bool):
-    """JIT one direction of `key` from placeholder pointers (no device access)."""
-    import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import make_ptr
-
+def launch_entry(key: KernelKey, backward: bool):
+    """The `@cute.jit` launch entry of one direction; its arguments are host.ARGUMENTS."""
     impl = _Streaming(key, backward)
-    gm = cute.AddressSpace.gmem
-    data = make_ptr(impl.dtype, 1 << 20, gm, assumed_align=key.align_bytes)
-    f32 = make_ptr(Float32, 1 << 20, gm, assumed_align=16)
-    idx = make_ptr(Int32, 1 << 20, gm, assumed_align=4)
-    sizes = (Int32(1), Int32(1), Int32(1), Int32(1))
-    opts = f"--gpu-arch {key.arch}"
-    if backward:
-        args = (data, data, data, f32, idx, idx, data, data, f32, f32, *sizes, cuda.CUstream(0))
-        return cute.compile(impl.backward, *args, options=opts)
-    args = (data, data, f32, idx, idx, data, f32, *sizes, cuda.CUstream(0))
-    return cute.compile(impl.forward, *args, options=opts)
+    return impl.backward if backward else impl.forward

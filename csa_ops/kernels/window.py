@@ -1,89 +1,56 @@
 """Register-window compressor kernels: the whole coff*ratio window of a row lives in registers.
 
 Thread = (output row, vector of `vec` columns); a CTA is rows x column-vectors with ~128
-contiguous bytes per row. Every launch is a programmatic dependent launch (PDL): its CTAs
-can be resident before the previous grid ends and wait for it before the first access.
+contiguous bytes per row (window_plan.Geometry). Launches are programmatic dependent
+launches (PDL) by default: CTAs can be resident before the previous grid ends and wait for
+it before the first access.
 Forward: one pass, padding and invalid rows written as zeros; bf16 takes a certified fast
 softmax (_output_fast) with the exact one as the fallback of the columns it cannot certify.
 Backward: a grid-stride loop over "slots"; slot i is row i (its window's grads, disjoint
 stores) plus token chunk [i*ratio, (i+1)*ratio), whose never-consumed elements it zeroes.
 grad_ape: per-thread fp32 partials in registers, a fixed-order CTA reduction to one partial
-per CTA in the workspace, then a second kernel that sums the partials in a fixed order.
+per CTA in the workspace, then reduce.py's fixed-order sum over the CTAs.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import pathlib
-import tempfile
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import BFloat16, Float16, Float32, Int32, Int64, cute
-from cutlass.base_dsl.compiler import DumpDir
-from cutlass.cute.runtime import make_ptr
+from cutlass import Float32, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
-from ..config import KernelKey, LaunchPlan, window_key
+from ..config import TYPES, KernelKey
 from . import common as cm
+from .reduce import launch_sum_parts
+from .window_plan import CTAS_PER_SM, Geometry
 
-_DTYPES = {"bfloat16": BFloat16, "float16": Float16, "float32": Float32}
-_CTAS_PER_SM = 4  # backward grid-stride target; more CTAs only add grad_ape partials
-# The backward's grid-stride plan gives every CTA the same slots and assumes _CTAS_PER_SM
+# The backward's grid-stride plan gives every CTA the same slots and assumes CTAS_PER_SM
 # of them on each SM. A kernel light enough for more would let the block scheduler stack
 # CTAs on the SMs that free up first (under PDL, while the previous grid drains) and leave
 # others short, and the busiest SM sets the time (H200, r2 c2 d512: 93 us against 80 us
-# without PDL). Shared memory just over 1/(_CTAS_PER_SM + 1) of an SM (228 KiB on SM90 and
-# SM100, 1 KiB of it reserved per CTA) caps residency at _CTAS_PER_SM.
-_BALANCED_SMEM = 228 * 1024 // (_CTAS_PER_SM + 1) + 1024
-_FIN_SPLIT = 32  # finalize: warps per CTA, each summing every 32nd partial
-_SIGNIFICAND_BITS = {"bfloat16": 8, "float16": 11, "float32": 24}
+# without PDL). Shared memory just over 1/(CTAS_PER_SM + 1) of an SM (228 KiB on SM90 and
+# SM100, 1 KiB of it reserved per CTA) caps residency at CTAS_PER_SM.
+_BALANCED_SMEM = 228 * 1024 // (CTAS_PER_SM + 1) + 1024
+_SUM_SPLIT = 32  # grad_ape sum: warps per CTA, each summing every 32nd CTA partial
 
 
-def configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey:
-    return window_key(ratio, coff, head_dim, dtype, arch, backward)
-
-
-def supports(key: KernelKey) -> bool:
-    from ..config import WINDOW_MAX
-
-    return key.family == "window" and key.window <= WINDOW_MAX and key.head_dim % key.vec == 0
-
-
-class _Geometry:
-    """Static CTA shape of a key."""
+class _Geometry(Geometry):
+    """The CTA shape plus what the device code derives from the key at trace time."""
 
     def __init__(self, key: KernelKey) -> None:
-        self.R, self.C, self.D, self.V = key.ratio, key.coff, key.head_dim, key.vec
-        self.W = self.R * self.C
-        self.dtype = _DTYPES[key.dtype]
-        self.tpr = self.D // self.V
-        cvc = min(self.tpr, max(1, 128 // (self.V * key.elem_bytes)))
-        self.ny = -(-self.tpr // cvc)
-        self.cvc = -(-self.tpr // self.ny)
-        self.rpc = max(1, key.threads // self.cvc)
-        self.threads = self.cvc * self.rpc
-        self.ragged_cols = self.cvc * self.ny != self.tpr
-        self.E = self.R * self.C * self.D  # grad_ape elements
-        # Knob: CTAs per SM the register allocation must allow (0: compiler's choice).
-        self.min_ctas = key.knob("min_ctas", 0)
-        # Knob: pad the backward's shared memory to _BALANCED_SMEM.
-        self.balance = bool(key.knob("balance", 1))
-        # Knob: launch with programmatic dependent launch (see common.await_upstream).
-        self.pdl = bool(key.knob("pdl", 1))
-        # Knob: 1-D grid with the column chunk fastest, so CTAs resident together read
-        # whole token rows (DRAM pages) instead of one 128-byte chunk of many rows.
-        self.linear = bool(key.knob("linear", 1))
-        # Knob: forward softmax through ex2.approx and one division per column (see
-        # _output_fast); 0 keeps the reference's exact operation order.
-        self.fast_exp = bool(key.knob("fast_exp", 0))
+        super().__init__(key)
+        self.dtype = cm.dsl_type(key.dtype)
+        knobs = key.knobs
+        self.min_ctas, self.balance, self.pdl = knobs.min_ctas, knobs.balance, knobs.pdl
+        self.linear, self.fast_exp = knobs.linear, knobs.fast_exp
         # exp(l - m) is kept scaled by 2**-shift so sum(e * v) cannot overflow before
         # max|v| does (W entries, each e <= 2**-shift).
         self.shift = max(0, math.ceil(math.log2(self.W)))
         # _output_fast's certificate: the error bound's coefficients over one output step
         # (at least 2**-p |out| for p significand bits), with a factor 2 margin.
-        step = 2.0 ** (_SIGNIFICAND_BITS[key.dtype] + 1)
+        step = 2.0 ** (TYPES[key.dtype].precision + 1)
         self.cert_mag = step * 2.0**-24 * (4 * self.W + 40)
         self.cert_mag_d = step * 2.0**-24 * 6
         self.cert_flush = step * 2.0**-126
@@ -96,24 +63,6 @@ class _Geometry:
                 self.entries.append((k - self.R, 0, k * 2 * self.D, True))
             else:
                 self.entries.append((k - self.R, self.D, (k - self.R) * 2 * self.D + self.D, False))
-
-
-@functools.lru_cache(maxsize=256)
-def _geometry(key: KernelKey) -> _Geometry:
-    # Plans run on every launch: build each key's geometry once.
-    return _Geometry(key)
-
-
-def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    g = _geometry(key)
-    return LaunchPlan(grid=max(1, -(-num_rows // g.rpc)))
-
-
-def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    g = _geometry(key)
-    slots = max(-(-num_tokens // g.R), num_rows)
-    grid = max(1, min(-(-slots // g.rpc), max(1, num_sms * _CTAS_PER_SM // g.ny)))
-    return LaunchPlan(grid=grid, workspace=grid * g.E)
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,7 +236,7 @@ def _window_io(g: _Geometry):
 
 
 def _build_forward(key: KernelKey):
-    g = _geometry(key)
+    g = _Geometry(key)
     load_window, _, stage_ape = _window_io(g)
     cta_coords, launch_grid = _cta_grid(g)
 
@@ -344,7 +293,7 @@ def _build_forward(key: KernelKey):
 
 
 def _build_backward(key: KernelKey):
-    g = _geometry(key)
+    g = _Geometry(key)
     load_window, store_window, stage_ape = _window_io(g)
     cta_coords, launch_grid = _cta_grid(g)
     row_elems = g.C * g.D
@@ -402,12 +351,15 @@ def _build_backward(key: KernelKey):
         for i in cutlass.range_constexpr(g.V):
             p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
             go = Float32(rG[i])
-            gp = [cm.mul_rn(go, v[k]) for k in range(g.W)]
-            dot = cm.mul_rn(gp[0], p[0])
-            for k in cutlass.range_constexpr(1, g.W):
-                dot = cm.add_rn(dot, cm.mul_rn(gp[k], p[k]))
+            # torch's softmax backward, operation for operation: t_k = RN(RN(go*v_k) * p_k),
+            # sum = ((0 + t_0) + t_1) + ... (one thread per column for windows < 64), then
+            # its epilogue t_k - p_k * sum, which nvcc contracts into one FMA.
+            t = [cm.mul_rn(cm.mul_rn(go, v[k]), p[k]) for k in range(g.W)]
+            dot = Float32(0.0)
             for k in cutlass.range_constexpr(g.W):
-                gl = cm.mul_rn(p[k], cm.sub_rn(gp[k], dot))
+                dot = cm.add_rn(dot, t[k])
+            for k in cutlass.range_constexpr(g.W):
+                gl = cm.fma_rn(-p[k], dot, t[k])
                 rGKV[i, k] = g.dtype(cm.mul_rn(p[k], go))
                 rGS[i, k] = g.dtype(gl)
                 if cutlass.const_expr(g.entries[k][3]):
@@ -464,33 +416,6 @@ def _build_backward(key: KernelKey):
                 half = k // g.R
                 mWork[(bx * g.R + ape_row) * row_elems + half * g.D + col] = total
 
-    @cute.kernel
-    def finalize(p_work, p_gape, num_parts: Int32):
-        # Warp w sums partials w, w+32, ... of 32 consecutive elements; then warp 0 adds
-        # the 32 warp sums in order: deterministic, no atomics.
-        cm.await_upstream(g.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        bx, _, _ = cute.arch.block_idx()
-        lane = tid % 32
-        w = tid // 32
-        q = bx * 32 + lane
-        mWork = cute.make_tensor(p_work, num_parts * g.E)
-        mGape = cute.make_tensor(p_gape, g.E)
-        smem = SmemAllocator()
-        sPart = smem.allocate_tensor(Float32, cute.make_layout((_FIN_SPLIT, 32), stride=(32, 1)),
-                                       16)
-        total = Float32(0.0)
-        if q < g.E:
-            for x in cutlass.range(w, num_parts, _FIN_SPLIT, unroll=4):
-                total = cm.add_rn(total, mWork[x * g.E + q])
-        sPart[w, lane] = total
-        cute.arch.sync_threads()
-        if w == 0 and q < g.E:
-            total = sPart[0, lane]
-            for j in cutlass.range_constexpr(1, _FIN_SPLIT):
-                total = cm.add_rn(total, sPart[j, lane])
-            mGape[q] = total
-
     @cute.jit
     def launch(p_gout: cute.Pointer, p_kv: cute.Pointer, p_score: cute.Pointer,
                p_ape: cute.Pointer, p_cu: cute.Pointer, p_cuc: cute.Pointer,
@@ -505,43 +430,11 @@ def _build_backward(key: KernelKey):
                                           smem=smem_bytes, stream=stream, use_pdl=g.pdl,
                                           min_blocks_per_mp=g.min_ctas,
                                           preferred_smem_carveout=100)
-        finalize(p_work, p_gape, grid).launch(grid=((g.E + 31) // 32, 1, 1),
-                                              block=(32 * _FIN_SPLIT, 1, 1),
-                                              smem=_FIN_SPLIT * 32 * 4 + 64, stream=stream,
-                                              use_pdl=g.pdl)
+        launch_sum_parts(p_work, p_gape, grid, g.E, _SUM_SPLIT, g.pdl, stream)
 
     return launch
 
 
-def _fake_ptr(dtype, align: int):
-    # Compiles from fake pointers: the address is never dereferenced at compile time.
-    return make_ptr(dtype, align, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _compile(launch, key: KernelKey, pointer_specs, num_scalars: int, dump_dir=None):
-    ptrs = [_fake_ptr(dt, al) for dt, al in pointer_specs]
-    scalars = [Int32(1)] * num_scalars
-    options = [cute.GPUArch(key.arch)]
-    if dump_dir is not None:
-        options += [cute.KeepPTX(), DumpDir(dump_dir)]
-    return cute.compile[tuple(options)](launch, *ptrs, *scalars, cuda.CUstream(0))
-
-
-def ptx(key: KernelKey, backward: bool) -> str:
-    """PTX of one direction (for numerics audits: pinned roundings, accurate expf)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        (compile_backward if backward else compile_forward)(key, dump_dir=tmp)
-        return "".join(p.read_text() for p in pathlib.Path(tmp).glob("*.ptx"))
-
-
-def compile_forward(key: KernelKey, dump_dir=None):
-    dt, a = _DTYPES[key.dtype], key.align_bytes
-    specs = [(dt, a), (dt, a), (Float32, 16), (Int32, 4), (Int32, 4), (dt, a), (Float32, 16)]
-    return _compile(_build_forward(key), key, specs, 4, dump_dir)
-
-
-def compile_backward(key: KernelKey, dump_dir=None):
-    dt, a = _DTYPES[key.dtype], key.align_bytes
-    specs = [(dt, a), (dt, a), (dt, a), (Float32, 16), (Int32, 4), (Int32, 4), (dt, a), (dt, a),
-             (Float32, 16), (Float32, 16)]
-    return _compile(_build_backward(key), key, specs, 4, dump_dir)
+def launch_entry(key: KernelKey, backward: bool):
+    """The `@cute.jit` launch entry of one direction; its arguments are host.ARGUMENTS."""
+    return _build_backward(key) if backward else _build_forward(key)

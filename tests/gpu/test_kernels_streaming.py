@@ -13,14 +13,12 @@ import torch
 from helpers import EPS, PackSpec, make_pack, spec_params
 
 from csa_ops import host, reference
-from csa_ops.kernels import streaming
+from csa_ops.kernels import streaming_plan
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or host.device_arch() is None,
     reason="needs an sm_90 or sm_100 CUDA device")
 
-_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_COMPILED: dict = {}
 
 # Windows 32..512, both coffs; empty and short segments, tails, spare rows and tokens, odd and
 # small head dims.
@@ -39,30 +37,13 @@ SPECS = (
 
 
 def _key(spec, dtype, backward):
-    return streaming.configure(spec.ratio, spec.coff, spec.head_dim, _NAMES[dtype],
-                               host.device_arch(), backward)
-
-
-def _compiled(key, backward):
-    if (key, backward) not in _COMPILED:
-        fn = streaming.compile_backward if backward else streaming.compile_forward
-        _COMPILED[(key, backward)] = fn(key)
-    return _COMPILED[(key, backward)]
+    return streaming_plan.configure(spec.ratio, spec.coff, spec.head_dim,
+                                    str(dtype).removeprefix("torch."), host.device_arch(),
+                                    backward)
 
 
 def _launch(key, backward, tensors, sizes, grid):
-    import cuda.bindings.driver as cuda
-    import cutlass
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-
-    types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-             torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
-    aligns = {torch.float32: 16, torch.int32: 4}
-    ptrs = [make_ptr(types[t.dtype], t.data_ptr(), cute.AddressSpace.gmem,
-                     aligns.get(t.dtype, key.align_bytes)) for t in tensors]
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    _compiled(key, backward)(*ptrs, *(cutlass.Int32(s) for s in (*sizes, grid)), stream)
+    host.launch_key("bwd" if backward else "fwd", key, tensors, sizes, grid)
 
 
 def _nan(shape, dtype):
@@ -71,12 +52,12 @@ def _nan(shape, dtype):
 
 def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None, **knobs):
     head_dim = kv.shape[1] // coff
-    key = streaming.configure(ratio, coff, head_dim, _NAMES[kv.dtype], host.device_arch(),
-                              False, **knobs)
-    assert streaming.supports(key)
-    cb = -(-head_dim // (key.knob("cv", 1) * key.vec))
+    key = streaming_plan.configure(ratio, coff, head_dim, str(kv.dtype).removeprefix("torch."),
+                                   host.device_arch(), False, **knobs)
+    assert streaming_plan.supports(key)
+    cb = -(-head_dim // (key.knobs.cv * key.knobs.vec))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = streaming.plan_forward(key, kv.shape[0], rows, sms)
+    plan = streaming_plan.plan_forward(key, kv.shape[0], rows, sms)
     grid = plan.grid if groups is None else groups * cb
     out = _nan((rows, head_dim), kv.dtype)
     work = _nan((max(plan.workspace, 4),), torch.float32)
@@ -88,12 +69,12 @@ def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None, **knobs
 def run_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff, groups=None, **knobs):
     num_tokens, width = kv.shape
     head_dim = width // coff
-    key = streaming.configure(ratio, coff, head_dim, _NAMES[kv.dtype], host.device_arch(),
-                              True, **knobs)
-    assert streaming.supports(key)
-    cb = -(-head_dim // (key.knob("cv", 1) * key.vec))
+    key = streaming_plan.configure(ratio, coff, head_dim, str(kv.dtype).removeprefix("torch."),
+                                   host.device_arch(), True, **knobs)
+    assert streaming_plan.supports(key)
+    cb = -(-head_dim // (key.knobs.cv * key.knobs.vec))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = streaming.plan_backward(key, num_tokens, grad_out.shape[0], sms)
+    plan = streaming_plan.plan_backward(key, num_tokens, grad_out.shape[0], sms)
     grid = plan.grid if groups is None else groups * cb
     work = _nan((max(grid // cb * ratio * width, 4),), torch.float32)
     gkv, gsc = _nan(kv.shape, kv.dtype), _nan(kv.shape, kv.dtype)
@@ -267,10 +248,10 @@ def test_host_selects_streaming_and_matches():
     assert key is not None and key.family == "streaming"
     args = (*pack.tensors(), 128, 1)
     assert host.supports(*args)
-    out = host.compressor_forward(*args, spec.capacity)
+    out = host.run_forward(*args, spec.capacity)
     _check_forward(out, reference.compressor_reference(*pack.args()), torch.bfloat16)
     grad_out = _grad_out(spec.capacity, 128, torch.bfloat16)
-    gkv, gsc, gape = host.compressor_backward(grad_out, *args)
+    gkv, gsc, gape = host.run_backward(grad_out, *args)
     ref = reference.compressor_backward_reference(grad_out, *pack.tensors(), 128, 1)
     orc = reference.compressor_backward_oracle(grad_out, *pack.tensors(), 128, 1)
     _check_grad(gkv, ref[0], orc[0], torch.bfloat16, "grad_kv")

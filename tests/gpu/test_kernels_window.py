@@ -1,20 +1,22 @@
-"""Register-window CuTe-DSL kernels against the fp32 reference on the same GPU.
+"""Register-window CuTe-DSL kernels against torch's eager autograd on the same GPU (SPEC 3).
 
-grad_kv / grad_score must match bit for bit, the forward within one output rounding step
+grad_kv / grad_score must match torch's eager autograd of the formula bit for bit (the
+reference's CPU-order softmax backward differs from torch's CUDA one in rare last bits), the
+forward the fp32 reference within one output rounding step
 (bit for bit on its exact path: fp16, fp32 and the fast_exp=0 knob), every output element
 must be written (outputs are poisoned with NaN first), and nothing may depend on the run. Calls csa_ops.host directly so a failure names the kernel, not the op.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from helpers import PackSpec, assert_within_one_step, make_pack, spec_params
+from helpers import (PackSpec, assert_within_one_step, eager_forward_backward, make_pack,
+                     spec_params)
 
 from csa_ops import host, reference
-from csa_ops.config import WINDOW_MAX
+from csa_ops.config import with_knobs
+from csa_ops.kernels.window_plan import WINDOW_MAX
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -59,10 +61,18 @@ def _run(pack, grad_out):
     args = (*pack.tensors(), spec.ratio, spec.coff)
     assert host.supports(*args)
     _poison_allocator()
-    out = host.compressor_forward(*args, spec.capacity)
+    out = host.run_forward(*args, spec.capacity)
     _poison_allocator()
-    grads = host.compressor_backward(grad_out, *args)
+    grads = host.run_backward(grad_out, *args)
     return (out, *grads)
+
+
+def _reference_grads(pack, grad_out):
+    """(grad_kv, grad_score) of torch's eager autograd, grad_ape of the fp32 reference."""
+    _, gkv, gs, _ = eager_forward_backward(pack, grad_out, total_comp=grad_out.shape[0])
+    _, _, gape = reference.compressor_backward_reference(grad_out, *pack.tensors(),
+                                                         pack.spec.ratio, pack.spec.coff)
+    return gkv, gs, gape
 
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -85,7 +95,7 @@ def _forward_key(spec, dtype):
 def _forward_like_reference(out, ref, spec, what):
     """Bitwise on the exact forward path; on the fast one (bf16) within one rounding step
     with NaN and infinities (signs included) where the reference has them."""
-    if not _forward_key(spec, out.dtype).knob("fast_exp", 0):
+    if not _forward_key(spec, out.dtype).knobs.fast_exp:
         _bitwise(out, ref, what)
         return
     finite = torch.isfinite(ref)
@@ -106,8 +116,7 @@ def test_matches_reference(spec, dtype):
     grad_out = _grad_out(spec, dtype)
     out, gkv, gs, gape = _run(pack, grad_out)
     ref_out = reference.compressor_reference(*pack.args())
-    rkv, rs, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(),
-                                                            spec.ratio, spec.coff)
+    rkv, rs, rape = _reference_grads(pack, grad_out)
     assert_within_one_step(out, ref_out, "forward", max_fraction=1e-3)
     _bitwise(gkv, rkv, "grad_kv")
     _bitwise(gs, rs, "grad_score")
@@ -128,8 +137,8 @@ def test_forward_paths_and_determinism(dtype, fast):
     pack = _pack(spec, dtype, seed=3)
     grad_out = _grad_out(spec, dtype, seed=4)
     default = _forward_key(spec, dtype)
-    assert default.knob("fast_exp", 0) == int(dtype == torch.bfloat16)
-    host.set_key(dataclasses.replace(default, knobs=(("fast_exp", fast),)), False)
+    assert default.knobs.fast_exp == (dtype == torch.bfloat16)
+    host.set_key(with_knobs(default, fast_exp=fast), False)
     try:
         first = _run(pack, grad_out)
         ref_out = reference.compressor_reference(*pack.args())
@@ -158,7 +167,7 @@ def test_nan_inf_like_reference(coff):
     grad_out[2, 5] = float("inf")
     out, gkv, gs, gape = _run(pack, grad_out)
     ref_out = reference.compressor_reference(*pack.args())
-    rkv, rs, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(), 4, coff)
+    rkv, rs, rape = _reference_grads(pack, grad_out)
     _forward_like_reference(out, ref_out, spec, "forward")
     _bitwise(gkv, rkv, "grad_kv")
     _bitwise(gs, rs, "grad_score")
@@ -179,10 +188,10 @@ def test_misaligned_views_fall_back_to_copies():
     assert kv.data_ptr() % 16 != 0
     grad_out = _grad_out(spec, torch.bfloat16)
     args = (kv, score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp, 4, 2)
-    out = host.compressor_forward(*args, spec.capacity)
-    gkv, gs, _ = host.compressor_backward(grad_out, *args)
+    out = host.run_forward(*args, spec.capacity)
+    gkv, gs, _ = host.run_backward(grad_out, *args)
     _forward_like_reference(out, reference.compressor_reference(*pack.args()), spec, "forward")
-    rkv, rs, _ = reference.compressor_backward_reference(grad_out, *pack.tensors(), 4, 2)
+    rkv, rs, _ = _reference_grads(pack, grad_out)
     _bitwise(gkv, rkv, "grad_kv")
     _bitwise(gs, rs, "grad_score")
 
@@ -199,10 +208,10 @@ def test_adversarial_offsets_stay_in_bounds(seed):
         cu = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32)
         cuc = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32)
         args = (pack.kv, pack.score, pack.ape, cu.cuda(), cuc.cuda(), 4, 2)
-        host.compressor_forward(*args, spec.capacity)
-        host.compressor_backward(_grad_out(spec, torch.bfloat16), *args)
+        host.run_forward(*args, spec.capacity)
+        host.run_backward(_grad_out(spec, torch.bfloat16), *args)
     torch.cuda.synchronize()
-    out = host.compressor_forward(*pack.tensors(), 4, 2, spec.capacity)
+    out = host.run_forward(*pack.tensors(), 4, 2, spec.capacity)
     _forward_like_reference(out, reference.compressor_reference(*pack.args()), spec,
                             "forward after adversarial")
 
@@ -213,12 +222,12 @@ def test_capacity_smaller_than_true_count_drops_rows():
     rows = spec.true_rows - 5
     grad_out = _grad_out(spec, torch.bfloat16)[:rows].contiguous()
     args = (*pack.tensors(), 4, 2)
-    out = host.compressor_forward(*args, rows)
+    out = host.run_forward(*args, rows)
     full = reference.compressor_reference(*pack.args())
     _forward_like_reference(out, full[:rows], spec, "forward truncated")
-    gkv, _, _ = host.compressor_backward(grad_out, *args)
+    gkv, _, _ = host.run_backward(grad_out, *args)
     padded = torch.cat([grad_out, torch.zeros_like(full[rows:])])
-    rkv, _, _ = reference.compressor_backward_reference(padded, *pack.tensors(), 4, 2)
+    rkv, _, _ = _reference_grads(pack, padded)
     _bitwise(gkv, rkv, "grad_kv truncated")  # dropped rows feed nothing: same as zero grads
 
 
@@ -233,13 +242,13 @@ def test_graph_capture_needs_precompile_and_replays():
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="precompile"), torch.cuda.graph(graph,
                                                                                stream=stream):
-            host.compressor_forward(*args, spec.capacity)
+            host.run_forward(*args, spec.capacity)
     keys = host.precompile(2, 32, 2, torch.bfloat16)
     assert host.cache_info()["size"] == 2 and len(keys) == 2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = host.compressor_forward(*args, spec.capacity)
-        gkv, gs, gape = host.compressor_backward(grad_out, *args)
+        out = host.run_forward(*args, spec.capacity)
+        gkv, gs, gape = host.run_backward(grad_out, *args)
     misses = host.cache_info()["misses"]
     for _ in range(3):
         graph.replay()
@@ -247,7 +256,7 @@ def test_graph_capture_needs_precompile_and_replays():
     assert host.cache_info()["misses"] == misses
     _forward_like_reference(out, reference.compressor_reference(*pack.args()), spec,
                             "graph forward")
-    rkv, rs, rape = reference.compressor_backward_reference(grad_out, *pack.tensors(), 2, 2)
+    rkv, rs, rape = _reference_grads(pack, grad_out)
     _bitwise(gkv, rkv, "graph grad_kv")
     _bitwise(gs, rs, "graph grad_score")
     torch.testing.assert_close(gape, rape, atol=1e-3, rtol=1e-3)
@@ -262,7 +271,7 @@ def test_exp_matches_torch_over_many_arguments():
     pack.score.view(-1, 2, 64)[:, 0] = x.float()
     pack.score.view(-1, 2, 64)[:, 1] = 0.0
     pack.ape.zero_()
-    out = host.compressor_forward(*pack.tensors(), 2, 1, spec.capacity)
+    out = host.run_forward(*pack.tensors(), 2, 1, spec.capacity)
     _bitwise(out, reference.compressor_reference(*pack.args()), "exp-dominated forward")
 
 
@@ -277,7 +286,7 @@ def test_division_and_exp_over_wide_logit_ranges(scale):
     grad_out = _grad_out(spec, torch.float32)
     out, gkv, gs, _ = _run(pack, grad_out)
     _bitwise(out, reference.compressor_reference(*pack.args()), "forward")
-    rkv, rs, _ = reference.compressor_backward_reference(grad_out, *pack.tensors(), 32, 1)
+    rkv, rs, _ = _reference_grads(pack, grad_out)
     _bitwise(gkv, rkv, "grad_kv")
     _bitwise(gs, rs, "grad_score")
 
@@ -289,13 +298,13 @@ def test_fast_forward_over_wide_logit_ranges_and_huge_values(scale, ratio, coff)
     # step however far the weights spread (tiny and flushed ones included), and no overflow
     # of its scaled sum(e * v) where every value is near the bf16 maximum.
     spec = PackSpec((ratio * 300, 45), ratio=ratio, coff=coff, head_dim=64, extra_rows=2)
-    assert _forward_key(spec, torch.bfloat16).knob("fast_exp", 0) == 1
+    assert _forward_key(spec, torch.bfloat16).knobs.fast_exp
     pack = _pack(spec, torch.bfloat16, seed=13)
     gen = torch.Generator(device="cuda").manual_seed(14)
     logits = -scale * torch.rand(pack.score.shape, device="cuda", generator=gen)
     pack.score.copy_(logits.to(torch.bfloat16))
     pack.kv[: spec.num_tokens // 2] = 3.0e38
-    out = host.compressor_forward(*pack.tensors(), ratio, coff, spec.capacity)
+    out = host.run_forward(*pack.tensors(), ratio, coff, spec.capacity)
     ref = reference.compressor_reference(*pack.args())
     assert torch.isfinite(ref).all()
     _forward_like_reference(out, ref, spec, "fast forward")

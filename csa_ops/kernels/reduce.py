@@ -1,0 +1,56 @@
+"""Fixed-order sum of per-CTA fp32 partials: the grad_ape kernel of both families' backward.
+
+Summation order, the same for every element e and every run (bitwise deterministic, no
+atomics): out[e] = S_0 + S_1 + ... + S_{split-1}, added left to right, where warp w's
+S_w = ((+0.0 + x_w) + x_{w+split}) + x_{w+2 split} + ... over the parts x_p = work[p * size
++ e], p < num_parts. Every add is IEEE round-to-nearest-even (common.add_rn). The order
+depends on num_parts (the launch plan's grid) and `split`, both fixed for a key and shape.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, cute
+from cutlass.memory import SmemAllocator
+
+from . import common as cm
+
+
+@cute.kernel
+def _sum_parts(p_work: cute.Pointer, p_out: cute.Pointer, num_parts: Int32,
+               size: cutlass.Constexpr[int], split: cutlass.Constexpr[int],
+               pdl: cutlass.Constexpr[bool]):
+    # CTA = split warps over 32 consecutive elements (one per lane): 32 * split loads in
+    # flight, each warp reading 128 contiguous bytes per part.
+    cm.await_upstream(pdl)
+    tid, _, _ = cute.arch.thread_idx()
+    bx, _, _ = cute.arch.block_idx()
+    lane = tid % 32
+    w = tid // 32
+    e = bx * 32 + lane
+    mWork = cute.make_tensor(p_work, num_parts * size)
+    mOut = cute.make_tensor(p_out, size)
+    smem = SmemAllocator()
+    sPart = smem.allocate_tensor(Float32, cute.make_layout((split, 32), stride=(32, 1)), 16)
+    total = Float32(0.0)
+    if e < size:
+        for x in cutlass.range(w, num_parts, split, unroll=4):
+            total = cm.add_rn(total, mWork[x * size + e])
+    sPart[w, lane] = total
+    cute.arch.sync_threads()
+    if w == 0 and e < size:
+        total = sPart[0, lane]
+        for j in cutlass.range_constexpr(1, split):
+            total = cm.add_rn(total, sPart[j, lane])
+        mOut[e] = total
+
+
+def launch_sum_parts(p_work: cute.Pointer, p_out: cute.Pointer, num_parts: Int32, size: int,
+                     split: int, pdl: bool, stream) -> None:
+    """out[0:size] = the fixed-order sum of num_parts partials work[p * size : (p+1) * size].
+
+    Called while tracing a family's `@cute.jit` entry, after the kernel writing `work`.
+    """
+    _sum_parts(p_work, p_out, num_parts, size, split, pdl).launch(
+        grid=((size + 31) // 32, 1, 1), block=(32 * split, 1, 1), smem=split * 32 * 4 + 64,
+        stream=stream, use_pdl=pdl)

@@ -1,0 +1,122 @@
+"""Streaming family, host side: key heuristic, support, launch plans, key enumerator.
+
+Pure Python, no DSL: keys and launch plans are chosen without importing the compiler. The
+device code is kernels/streaming.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import TYPES, KernelKey, LaunchPlan, StreamingKnobs, widest_vec, with_knobs
+
+MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
+MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
+SMEM_PER_SM = 227 * 1024
+FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def _shape(window: int, head_dim: int, vec: int) -> tuple[int, int, int]:
+    """(cv, wpc, kt): column vectors per CTA, warps per column vector, entries per lane."""
+    wpc = _pow2_ceil(-(-window // (32 * MAX_KT)))
+    cv = max(1, min(8, _pow2_ceil(-(-head_dim // vec)), 16 // wpc))
+    kt = -(-window // (32 * wpc))
+    return cv, wpc, kt
+
+
+def _smem_bytes(elem_bytes: int, vec: int, cv: int, wpc: int, kt: int, backward: bool,
+                stages: int) -> int:
+    cols, wpad = cv * vec, 32 * kt * wpc
+    stage = (2 * wpad + (1 if backward else 0)) * cols * elem_bytes
+    fixed = wpad * cols * 4 + 3 * cols * wpc * 4 + 2 * MAX_ROWS * 4
+    return fixed + stages * stage + 1024
+
+
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
+              *, cv: int | None = None, ctas: int | None = None, stages: int | None = None,
+              **overrides: int) -> KernelKey:
+    """Heuristic key for one direction. `cv`, `ctas` and `stages` override the heuristic and
+    the knobs that depend on them follow; `overrides` set any other knob by name."""
+    eb = TYPES[dtype].bytes
+    vec = widest_vec(head_dim, eb, 16 // eb)
+    cv0, wpc, kt = _shape(coff * ratio, head_dim, vec)
+    if cv is None:
+        # Forward with two warps per column vector: 64-byte rows and two CTAs per SM beat
+        # one 512-thread CTA (H200: -6% at ratio 128, coff 2).
+        cv = min(cv0, 4) if wpc == 2 and not backward else cv0
+    nt = 32 * cv * wpc
+    ctas = max(1, min(4, 512 // nt)) if ctas is None else ctas
+    while stages is None:
+        fits = [s for s in (4, 3, 2)
+                if _smem_bytes(eb, vec, cv, wpc, kt, backward, s) * ctas <= SMEM_PER_SM]
+        if fits or ctas == 1:
+            stages = fits[0] if fits else 2
+        else:
+            ctas -= 1
+    # Programmatic dependent launch: H200 bench, PDL against none (same code otherwise):
+    # the backward and the one-warp-per-column forward gain 1-7% (r128 c1 1x65536 d128 fwd
+    # 13.1 against 14.0 us), but the forward with two warps per column (coff 2) loses 7-13%
+    # (1x131072 d512 168.1 against 149.0 us), so it launches plainly.
+    knobs = StreamingKnobs(vec, cv, wpc, kt, stages, ctas, fast_exp=FWD_FAST_EXP and not backward,
+                           pdl=backward or wpc != 2)
+    key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, knobs)
+    return with_knobs(key, **overrides) if overrides else key
+
+
+def supports(key: KernelKey) -> bool:
+    if key.family != "streaming" or key.dtype not in ("bfloat16", "float16"):
+        return False
+    k = key.knobs
+    if min(k.cv, k.wpc, k.kt) < 1 or k.kt > MAX_KT:
+        return False
+    if k.stages < 2:  # the loop waits for row j while row j+1 is in flight
+        return False
+    if k.threads > 1024 or 32 * k.wpc * k.kt < key.window or 32 % k.vec:
+        return False
+    smem = _smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, True, k.stages)
+    return smem <= SMEM_PER_SM  # the backward's, the larger
+
+
+def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+                   backward: bool):
+    """All supported keys worth timing for one problem (autotuning): CTA widths, CTAs per
+    SM and the lean row path, around the heuristic's other knobs."""
+    seen = set()
+    for cv in (1, 2, 4, 8):
+        for ctas in (None, 1, 2, 3, 4):
+            for lean in (False, True):
+                key = configure(ratio, coff, head_dim, dtype, arch, backward, cv=cv, ctas=ctas,
+                                lean=lean)
+                if key not in seen and supports(key):
+                    seen.add(key)
+                    yield key
+
+
+def _plan(key: KernelKey, num_rows: int, num_sms: int, backward: bool) -> LaunchPlan:
+    cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
+    slots = max(1, num_sms * key.knobs.ctas)
+    groups = min(max(1, slots // cb), max(1, num_rows))
+    # Even out rows per CTA and keep each CTA's rows within its row table.
+    per_cta = min(max(1, -(-num_rows // groups)), MAX_ROWS)
+    groups = max(1, -(-num_rows // per_cta))
+    work = groups * key.ratio * key.coff * key.head_dim if backward else 0
+    return LaunchPlan(grid=groups * cb, workspace=work)
+
+
+def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    return _plan(key, num_rows, num_sms, False)
+
+
+def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    return _plan(key, num_rows, num_sms, True)
+
+
+def launch_entry(key: KernelKey, backward: bool):
+    """The `@cute.jit` launch entry of one direction (imports the DSL)."""
+    from . import streaming
+
+    return streaming.launch_entry(key, backward)

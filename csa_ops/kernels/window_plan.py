@@ -1,0 +1,129 @@
+"""Register-window family, host side: key heuristic, support, launch plans, key enumerator.
+
+Pure Python, no DSL: keys and launch plans are chosen without importing the compiler. The
+device code is kernels/window.py, which builds on `Geometry` below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..config import TYPES, KernelKey, LaunchPlan, WindowKnobs, widest_vec, with_knobs
+
+# Largest window (coff * ratio) the family keeps in registers; larger ones go to streaming.
+WINDOW_MAX = 32
+# Up to this head_dim and window the family favours threads over vector width (see
+# _vec_threads); measured at window 8, wider windows keep the register-lean default.
+NARROW_HEAD_DIM = 128
+NARROW_WINDOW_MAX = 8
+CTAS_PER_SM = 4  # backward grid-stride target; more CTAs only add grad_ape partials
+
+
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
+              **overrides: int) -> KernelKey:
+    """Heuristic key for one direction; `overrides` set knobs by name (autotuning).
+
+    A thread holds window * vec elements of kv and of score in registers (at most 64 each,
+    and the backward's grad_ape partials in shared memory also scale with it), so wide
+    windows trade vector width for registers.
+    """
+    vec, threads = _vec_threads(ratio, coff, head_dim, dtype, backward)
+    knobs = WindowKnobs(vec, threads, **_flags(coff * ratio, head_dim, dtype, backward))
+    key = KernelKey("window", ratio, coff, head_dim, dtype, arch, knobs)
+    return with_knobs(key, **overrides) if overrides else key
+
+
+def _flags(window: int, head_dim: int, dtype: str, backward: bool) -> dict[str, bool]:
+    if backward:
+        # Wide rows: the 2-D grid (column chunk slowest) beat the 1-D one in three H200
+        # runs at d512 (3x8192 r4 c2 63.0 against 65.6 us, 1x65536 160.5 against 163.0,
+        # 1x8192 24.0 against 25.0); at d128 the 1-D grid won (1x8192 9.9 against 10.2).
+        return {"linear": head_dim <= NARROW_HEAD_DIM}
+    # The bf16 forward takes the certified fast softmax (kernels/window.py, _output_fast):
+    # within one output rounding step, as SPEC 3 allows (H200: 3x8192 d512 r4 c2 30.7
+    # against 34.9 us, 142 of 3.1M elements one step off). fp16's 8x finer step would send
+    # 8x more columns to the exact fallback, and fp32 has no slack: both stay exact. Short
+    # windows over narrow rows are latency-bound, and there the certificate's longer chain
+    # costs more than the exact softmax (r4 c1 1x8192 d128: 3.27 against 3.0 us).
+    fast = dtype == "bfloat16" and not (window <= 4 and head_dim <= NARROW_HEAD_DIM)
+    return {"fast_exp": fast}
+
+
+def _vec_threads(ratio: int, coff: int, head_dim: int, dtype: str,
+                 backward: bool) -> tuple[int, int]:
+    window = coff * ratio
+    vec = widest_vec(head_dim, TYPES[dtype].bytes, max(1, 64 // window))
+    if backward and head_dim > NARROW_HEAD_DIM and window <= 4:
+        # Windows of 4 leave room for 16-byte accesses (H200, r2 c2 3x8192 d512 bwd sweep:
+        # vec 8 / 128 threads 68.4 us, vec 4 / 128 77.0, vec 2 / 256 79.0).
+        return vec, 128
+    if window <= NARROW_WINDOW_MAX and (backward or head_dim <= NARROW_HEAD_DIM):
+        # The kernels are latency-bound: trade vector width for threads (and registers for
+        # occupancy). H200 sweeps, r4 c2 bf16, every key checked against the reference:
+        # 1x8192 d128: vec 8 / 128 threads 12.5 us fwd, 18.5 us bwd; vec 2 / 256: 6.7, 12.5.
+        # 3x8192 d512 bwd: vec 8 / 128 87.3 us, vec 4 / 128 65.0, vec 2 / 256 63.8.
+        return min(vec, 2), 256
+    if window <= NARROW_WINDOW_MAX:
+        # 3x8192 d512 fwd: vec 8 / 128 threads 39.0 us, vec 4 / 128 36.3, vec 2 / 256 39.0.
+        return min(vec, 4), 128
+    return vec, 128
+
+
+def supports(key: KernelKey) -> bool:
+    return key.family == "window" and key.window <= WINDOW_MAX
+
+
+def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+                   backward: bool):
+    """All keys worth timing for one problem (autotuning): vector widths and CTA sizes
+    around the heuristic's other knobs."""
+    base = configure(ratio, coff, head_dim, dtype, arch, backward)
+    vmax = widest_vec(head_dim, TYPES[dtype].bytes, max(1, 64 // (coff * ratio)))
+    for vec in (v for v in (1, 2, 4, 8, 16) if v <= vmax):
+        for threads in (64, 128, 256):
+            key = with_knobs(base, vec=vec, threads=threads)
+            yield key
+            if backward and threads == 128:
+                yield with_knobs(key, min_ctas=3)
+
+
+class Geometry:
+    """Static CTA shape of a key: `rpc` rows of `cvc` column vectors (`vec` columns each),
+    `ny` column chunks per row; E grad_ape elements."""
+
+    def __init__(self, key: KernelKey) -> None:
+        self.R, self.C, self.D, self.V = key.ratio, key.coff, key.head_dim, key.knobs.vec
+        self.W = self.R * self.C
+        self.tpr = self.D // self.V
+        cvc = min(self.tpr, max(1, 128 // (self.V * key.elem_bytes)))
+        self.ny = -(-self.tpr // cvc)
+        self.cvc = -(-self.tpr // self.ny)
+        self.rpc = max(1, key.knobs.threads // self.cvc)
+        self.threads = self.cvc * self.rpc
+        self.ragged_cols = self.cvc * self.ny != self.tpr
+        self.E = self.R * self.C * self.D  # grad_ape elements
+
+
+@functools.lru_cache(maxsize=256)
+def geometry(key: KernelKey) -> Geometry:
+    # Plans run on every launch: build each key's geometry once.
+    return Geometry(key)
+
+
+def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    g = geometry(key)
+    return LaunchPlan(grid=max(1, -(-num_rows // g.rpc)))
+
+
+def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    g = geometry(key)
+    slots = max(-(-num_tokens // g.R), num_rows)
+    grid = max(1, min(-(-slots // g.rpc), max(1, num_sms * CTAS_PER_SM // g.ny)))
+    return LaunchPlan(grid=grid, workspace=grid * g.E)
+
+
+def launch_entry(key: KernelKey, backward: bool):
+    """The `@cute.jit` launch entry of one direction (imports the DSL)."""
+    from . import window
+
+    return window.launch_entry(key, backward)

@@ -1,0 +1,92 @@
+"""Ahead-of-time kernels: ``csa_ops.precompile(...)`` and ``python -m csa_ops.precompile``.
+
+The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
+configurations, dtypes and archs, on any machine, without a GPU (cross-compiling). Ship the
+directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
+those configurations and never compiles.
+
+    python -m csa_ops.precompile --ratio 4 --coff 2 --head-dim 128 512 \\
+        --dtype bfloat16 --arch sm_90a sm_100a --cache-dir ./csa-kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+
+def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
+               arch: str | None = None):
+    """Compile (or load from the disk cache) both kernel directions of one configuration.
+
+    ``dtype`` None means bfloat16; ``arch`` None means the current CUDA device, while
+    "sm_90a" / "sm_100a" cross-compile without a GPU. Returns the two kernel keys.
+    """
+    from . import host
+
+    return host.precompile(ratio, head_dim, coff, torch.bfloat16 if dtype is None else dtype,
+                           arch=arch)
+
+
+def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
+                log=print) -> dict[str, int]:
+    """Make sure ``root`` holds both directions of every combination; counts of kernels
+    compiled and already present."""
+    from . import host
+
+    counts = {"compiled": 0, "present": 0}
+    for ratio, coff, head_dim, dtype, arch in itertools.product(ratios, coffs, head_dims,
+                                                                dtypes, archs):
+        for direction, key in host.configuration_keys(ratio, head_dim, coff, dtype, arch):
+            start = time.perf_counter()
+            built = host._CACHE.export(direction, key, root)
+            state = "compiled" if built else "present"
+            counts[state] += 1
+            log(f"{state:8s} {direction} ratio={ratio} coff={coff} head_dim={head_dim} "
+                f"{key.dtype} {arch} ({time.perf_counter() - start:.2f} s)")
+    return counts
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import config
+
+    parser = argparse.ArgumentParser(prog="python -m csa_ops.precompile",
+                                     description=__doc__.split("\n\n")[1])
+    parser.add_argument("--ratio", type=int, nargs="+", required=True)
+    parser.add_argument("--coff", type=int, nargs="+", required=True, choices=(1, 2))
+    parser.add_argument("--head-dim", type=int, nargs="+", required=True)
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=config.DTYPES)
+    parser.add_argument("--arch", nargs="+", default=list(config.ARCHS), choices=config.ARCHS)
+    parser.add_argument("--cache-dir", type=pathlib.Path, default=None,
+                        help="default: $CSA_OPS_CACHE_DIR or the user cache directory")
+    return parser
+
+
+def main(argv=None) -> int:
+    from . import kernel_cache, launcher
+
+    args = _parser().parse_args(argv)
+    if not launcher.TVM_FFI:
+        print("csa_ops.precompile: the kernel cache needs apache-tvm-ffi (pip install "
+              "apache-tvm-ffi) and CSA_OPS_TVM_FFI unset", file=sys.stderr)
+        return 2
+    root = args.cache_dir or kernel_cache.directory()
+    os.makedirs(root, exist_ok=True)
+    dtypes = [getattr(torch, name) for name in args.dtype]
+    try:
+        counts = build_cache(args.ratio, args.coff, args.head_dim, dtypes, args.arch, root)
+    except ValueError as error:
+        print(f"csa_ops.precompile: {error}", file=sys.stderr)
+        return 2
+    print(f"{root}: {counts['compiled']} kernels compiled, {counts['present']} already present")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
