@@ -1,0 +1,253 @@
+"""csa::compressor_extend: stateful compression for prefill, chunked prefill and decode.
+
+The op (SPEC 8) extends per-request state by new THD-packed tokens and emits the rows of the
+blocks they complete. It mutates the two state tensors in place and is inference only: an
+Autograd kernel refuses gradient requests. Every device runs ``csa_ops.reference_extend``
+for now. The fake lives in ``csa_ops.meta.serving``; ``CompressorState`` owns the state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from . import reference_extend
+from .reference import accumulate_dtype
+from .validation import FLOAT_DTYPES, INT32_MAX
+
+OP = "csa.compressor_extend"
+EXTEND_SCHEMA = (
+    "(Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor start_pos, Tensor slots, "
+    "Tensor(a!) kv_state, Tensor(b!) score_state, int ratio, int coff, "
+    "SymInt? total_comp=None) -> (Tensor, Tensor)"
+)
+
+
+def _fail(message: str, error=ValueError):
+    raise error(f"{OP}: {message}")
+
+
+def _check_tensor(name: str, tensor, kv=None) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        _fail(f"`{name}` must be a tensor, got {type(tensor).__name__}", TypeError)
+    if kv is not None and tensor.device != kv.device:
+        _fail(f"`{name}` must be on the device of `kv` ({kv.device}), got {tensor.device}")
+
+
+def _check_config(ratio, coff) -> None:
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        _fail(f"`ratio` must be an int >= 1, got {ratio!r}")
+    if not isinstance(coff, int) or isinstance(coff, bool) or coff not in (1, 2):
+        _fail(f"`coff` must be 1 or 2, got {coff!r}")
+
+
+def _check_tokens(kv, score, ape, ratio: int, coff: int) -> int:
+    if kv.dim() != 2:
+        _fail(f"`kv` must be 2-D (T, coff*head_dim), got shape {tuple(kv.shape)}")
+    if kv.dtype not in FLOAT_DTYPES:
+        _fail(f"`kv` must be one of bfloat16, float16, float32, float64, got {kv.dtype}")
+    width = kv.shape[1]
+    if width < coff or width % coff != 0:
+        _fail(f"`kv` width must be a positive multiple of coff={coff}, got {width}")
+    if score.shape != kv.shape or score.dtype != kv.dtype:
+        _fail(f"`score` must match `kv` ({tuple(kv.shape)}, {kv.dtype}), got "
+              f"({tuple(score.shape)}, {score.dtype})")
+    if tuple(ape.shape) != (ratio, width):
+        _fail(f"`ape` must have shape (ratio, coff*head_dim) = ({ratio}, {width}), "
+              f"got {tuple(ape.shape)}")
+    if not ape.dtype.is_floating_point:
+        _fail(f"`ape` must be a floating-point tensor, got {ape.dtype}")
+    if statically_known_true(kv.shape[0] * width > INT32_MAX):
+        _fail(f"`kv` has {kv.shape[0] * width} elements, which overflows int32 offsets")
+    return width // coff
+
+
+def _check_requests(cu_seqlens, start_pos, slots, kv) -> int:
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.shape[0] < 1:
+        _fail(f"`cu_seqlens` must be a 1-D int32 tensor (B+1,) with B+1 >= 1, got shape "
+              f"{tuple(cu_seqlens.shape)} and {cu_seqlens.dtype}")
+    num_requests = cu_seqlens.shape[0] - 1
+    for name, tensor in (("start_pos", start_pos), ("slots", slots)):
+        _check_tensor(name, tensor, kv)
+        if tensor.dim() != 1 or tensor.dtype != torch.int32 or tensor.shape[0] != num_requests:
+            _fail(f"`{name}` must be an int32 tensor of shape (B,) = ({num_requests},), got "
+                  f"shape {tuple(tensor.shape)} and {tensor.dtype}")
+    return num_requests
+
+
+def _check_state(kv_state, score_state, kv, ratio: int, coff: int, num_requests) -> None:
+    width = kv.shape[1]
+    for name, state, dtype in (("kv_state", kv_state, kv.dtype),
+                               ("score_state", score_state, accumulate_dtype(kv.dtype))):
+        _check_tensor(name, state, kv)
+        if state.dim() != 3 or tuple(state.shape[1:]) != (coff * ratio, width):
+            _fail(f"`{name}` must have shape (num_slots, coff*ratio, coff*head_dim) = "
+                  f"(S, {coff * ratio}, {width}), got {tuple(state.shape)}")
+        if state.dtype != dtype:
+            _fail(f"`{name}` must be {dtype}, got {state.dtype}")
+        if not state.is_contiguous():
+            _fail(f"`{name}` must be contiguous: it is written in place")
+    if score_state.shape[0] != kv_state.shape[0]:
+        _fail(f"`score_state` must have the slot count of `kv_state` ({kv_state.shape[0]}), "
+              f"got {score_state.shape[0]}")
+    if kv_state is score_state:
+        _fail("`kv_state` and `score_state` must be different tensors")
+    num_slots = kv_state.shape[0]
+    # Decided by shapes alone, so checked on every device without a sync.
+    if statically_known_true(num_requests > num_slots):
+        _fail(f"`slots`: {num_requests} requests cannot have distinct slots among "
+              f"{num_slots} (slots out of range or repeated)")
+
+
+def check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
+                    ratio, coff, total_comp=None) -> int:
+    """Everything that metadata alone decides (runs on fake tensors, never syncs);
+    returns head_dim."""
+    for name, tensor in (("kv", kv), ("score", score), ("ape", ape), ("cu_seqlens", cu_seqlens)):
+        _check_tensor(name, tensor, kv if name != "kv" else None)
+    _check_config(ratio, coff)
+    head_dim = _check_tokens(kv, score, ape, ratio, coff)
+    num_requests = _check_requests(cu_seqlens, start_pos, slots, kv)
+    _check_state(kv_state, score_state, kv, ratio, coff, num_requests)
+    if total_comp is not None:
+        if statically_known_true(total_comp < 0):
+            _fail(f"`total_comp` must be >= 0 or None, got {total_comp}")
+        if statically_known_true(total_comp * head_dim > INT32_MAX):
+            _fail(f"`total_comp` * head_dim = {total_comp * head_dim} overflows int32 offsets")
+    return head_dim
+
+
+def _check_slots(slots: list, num_slots: int) -> None:
+    seen = {}
+    for i, slot in enumerate(slots):
+        if not 0 <= slot < num_slots:
+            _fail(f"`slots[{i}]` = {slot} is out of range [0, {num_slots})")
+        if slot in seen:
+            _fail(f"`slots` must be distinct: slot {slot} appears at {seen[slot]} and {i}")
+        seen[slot] = i
+
+
+def check_contents(cu_seqlens, start_pos, slots, num_tokens: int, num_slots: int, ratio: int,
+                   total_comp=None) -> int:
+    """Content checks (host-side tensors only, so free); return the true row count."""
+    cu, starts = cu_seqlens.tolist(), start_pos.tolist()
+    if cu[0] != 0:
+        _fail(f"`cu_seqlens[0]` must be 0, got {cu[0]}")
+    if cu[-1] > num_tokens:
+        _fail(f"`cu_seqlens[-1]` = {cu[-1]} exceeds the number of tokens T = {num_tokens}")
+    rows = 0
+    for i, start in enumerate(starts):
+        length = cu[i + 1] - cu[i]
+        if length < 0:
+            _fail(f"`cu_seqlens` must be non-decreasing, got {cu[i]} then {cu[i + 1]} at {i}")
+        if start < 0:
+            _fail(f"`start_pos[{i}]` must be >= 0, got {start}")
+        if start + length > INT32_MAX:
+            _fail(f"`start_pos[{i}]` + new tokens = {start + length} overflows int32 positions")
+        rows += (start + length) // ratio - start // ratio
+    _check_slots(slots.tolist(), num_slots)
+    if total_comp is not None and total_comp < rows:
+        _fail(f"`total_comp` = {total_comp} is smaller than the true row count {rows}")
+    return rows
+
+
+_LIB = torch.library.Library("csa", "FRAGMENT")
+_LIB.define("compressor_extend" + EXTEND_SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
+                       ratio, coff, total_comp=None):
+    check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio,
+                    coff, total_comp)
+    if kv.device.type == "cpu":
+        check_contents(cu_seqlens, start_pos, slots, kv.shape[0], kv_state.shape[0], ratio,
+                       total_comp)
+    kv, score, ape = (t.contiguous() for t in (kv, score, ape))
+    return reference_extend.compressor_extend_reference(
+        kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio, coff,
+        total_comp)
+
+
+def _no_autograd(keyset, *args):
+    """Inference only: refuse a gradient request, else run the op below autograd (the
+    pattern opcheck asks of non-differentiable ops; torch.library's own autograd kernels
+    redispatch the same way)."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                       for a in args):
+        _fail("inference only: no gradient is defined; call it under torch.no_grad() or "
+              "torch.inference_mode(), or detach the inputs", RuntimeError)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.csa.compressor_extend.default.redispatch(
+            keyset & torch._C._after_autograd_keyset, *args)
+
+
+# CompositeExplicitAutograd: the vectorized reference serves every device.
+_LIB.impl("compressor_extend", _compressor_extend, "CompositeExplicitAutograd")
+_LIB.impl("compressor_extend", _no_autograd, "Autograd", with_keyset=True)
+
+
+def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                      cu_seqlens: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
+                      kv_state: torch.Tensor, score_state: torch.Tensor, *, ratio: int,
+                      coff: int, total_comp: int | None = None):
+    """Extend each request's state by its new tokens; return ``(out, cu_seqlens_comp)``.
+
+    ``kv``/``score`` ``(T, coff*d)`` hold the new tokens THD-packed by ``cu_seqlens``;
+    request ``i`` has consumed ``start_pos[i]`` tokens before and keeps its state in slot
+    ``slots[i]`` of ``kv_state`` (kv's dtype) and ``score_state`` (fp32 logits
+    ``score + ape``; fp64 for fp64 kv), both ``(S, coff*ratio, coff*d)``. A request with
+    ``start_pos == 0`` reads nothing from its slot (no reset needed). Rows of every block
+    completed by the new tokens come out packed per request in batch order, offsets in
+    ``cu_seqlens_comp`` (B+1,) int32. ``total_comp=None`` returns exactly the true row count
+    (a host sync on CUDA); an int is a static capacity (padding rows exact zeros, no sync).
+
+    Numerics: each row is bit-identical to the row ``csa_ops.reference`` computes for that
+    block over the whole sequence (the window is gathered into the same layout and pooled
+    by the same function); bitwise run-to-run deterministic. Slots must be distinct and in
+    range and positions >= 0: checked on CPU; on CUDA such inputs give unspecified rows and
+    state but never an access out of bounds. Inference only.
+    """
+    return torch.ops.csa.compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots,
+                                           kv_state, score_state, ratio, coff, total_comp)
+
+
+def _as_slot_tensor(slots, device) -> torch.Tensor:
+    return torch.as_tensor(slots, dtype=torch.long, device=device).reshape(-1)
+
+
+class CompressorState:
+    """The per-slot state of ``csa::compressor_extend`` for ``num_slots`` requests.
+
+    ``kv`` (kv's dtype) and ``score`` (fp32 logits, fp64 for fp64 kv) are
+    ``(num_slots, coff*ratio, coff*head_dim)``, every slot in the initial state.
+    """
+
+    def __init__(self, num_slots: int, ratio: int, coff: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        _check_config(ratio, coff)
+        shape = (num_slots, coff * ratio, coff * head_dim)
+        self.ratio, self.coff, self.head_dim = ratio, coff, head_dim
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.score = torch.full(shape, float("-inf"), dtype=accumulate_dtype(dtype),
+                                device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.shape[0]
+
+    def reset(self, slots=None) -> None:
+        """Put ``slots`` (ints or a tensor; None = all) back in the initial state: values 0,
+        logits -inf. Fixed-shape in-place fills, so it can sit inside a CUDA graph."""
+        if slots is None:
+            self.kv.zero_()
+            self.score.fill_(float("-inf"))
+            return
+        index = _as_slot_tensor(slots, self.kv.device)
+        self.kv.index_fill_(0, index, 0.0)
+        self.score.index_fill_(0, index, float("-inf"))
+
+    def extend(self, kv, score, ape, cu_seqlens, start_pos, slots, total_comp=None):
+        """``compressor_extend`` on this state."""
+        return compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, self.kv,
+                                 self.score, ratio=self.ratio, coff=self.coff,
+                                 total_comp=total_comp)

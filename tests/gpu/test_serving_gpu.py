@@ -1,0 +1,180 @@
+"""csa::compressor_extend on CUDA: SPEC 8's invariant against the CUDA csa::compressor,
+a decode step in a CUDA graph, no host sync, and memory safety for any slots and positions
+(run the `adversarial` tests under compute-sanitizer memcheck)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal
+from serving_helpers import (
+    assert_rows,
+    assert_state,
+    make_requests,
+    permuted_slots,
+    random_schedule,
+    run_schedule,
+)
+
+from csa_ops import CompressorState
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+OP = torch.ops.csa.compressor_extend.default
+
+# (ratio, coff, head_dim, dtype, lengths, decode_tail, extra_rows): the production configs
+# first, then odd ones.
+CASES = [
+    (4, 2, 512, torch.bfloat16, (700, 0, 1, 129), 20, 2),
+    (4, 2, 128, torch.bfloat16, (1000, 3, 517), 30, None),
+    (128, 1, 512, torch.bfloat16, (1300, 127, 0, 300), 140, 1),
+    (128, 2, 128, torch.bfloat16, (600, 260), 130, None),
+    (2, 2, 512, torch.bfloat16, (333, 2, 90), 9, 3),
+    (4, 1, 256, torch.float16, (257, 8), 9, None),
+    (5, 2, 65, torch.float32, (211, 0, 14), 11, 1),
+    (1, 1, 64, torch.float16, (40, 7), 5, 2),
+]
+
+
+def _case_id(case) -> str:
+    ratio, coff, head_dim, dtype, lengths, _tail, extra = case
+    return (f"r{ratio}c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}_"
+            f"L{'-'.join(map(str, lengths))}_pad{extra}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_chunked_extend_matches_cuda_compressor(case):
+    """Bitwise against the CUDA csa::compressor over whole sequences: SPEC 8's contract."""
+    ratio, coff, head_dim, dtype, lengths, tail, extra_rows = case
+    req = make_requests(lengths, ratio, coff, head_dim, dtype, device="cuda", seed=1)
+    slot_of = permuted_slots(len(lengths), len(lengths) + 5, 1)
+    state = CompressorState(len(lengths) + 5, ratio, coff, head_dim, dtype, "cuda")
+    rows, consumed = run_schedule(req, random_schedule(lengths, ratio, 1, decode_tail=tail),
+                                  state, slot_of, extra_rows)
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
+def _decode_inputs(batch, ratio, coff, head_dim, num_slots, steps, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    width = coff * head_dim
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    tokens = [(randn(batch, width), randn(batch, width)) for _ in range(steps)]
+    state = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    state.kv.copy_(randn(*state.kv.shape))
+    state.score.copy_(randn(*state.score.shape, dtype=torch.float32))
+    slots = torch.randperm(num_slots, device="cuda", generator=gen)[:batch].int()
+    # Every request completes a block within 4 steps, some their first (coff 2: no history).
+    blocks = torch.randint(0, 3, (batch,), device="cuda", generator=gen)
+    start = (blocks * ratio + ratio - 1 - torch.arange(batch, device="cuda") % min(ratio, 4))
+    start = start.clamp(min=0).int()
+    return tokens, state, slots, start, randn(ratio, width, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1)])
+def test_decode_graph_replays_match_eager_bitwise(ratio, coff):
+    batch, head_dim, steps = 64, 512, min(2 * ratio + 3, 9)
+    tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, 96, steps)
+    eager = CompressorState(96, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    eager.kv.copy_(state.kv)
+    eager.score.copy_(state.score)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    static_kv, static_score = (t.clone() for t in tokens[0])
+    static_pos = start.clone()
+
+    def step(kv_state, score_state, kv, score, pos):
+        return OP(kv, score, ape, cu, pos, slots, kv_state, score_state, ratio, coff, batch)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, on a scratch state
+        scratch = CompressorState(96, ratio, coff, head_dim, torch.bfloat16, "cuda")
+        step(scratch.kv, scratch.score, static_kv, static_score, static_pos)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_cuc = step(state.kv, state.score, static_kv, static_score, static_pos)
+    for i, (kv, score) in enumerate(tokens):
+        static_kv.copy_(kv)
+        static_score.copy_(score)
+        static_pos.copy_(start + i)
+        graph.replay()
+        want, want_cuc = step(eager.kv, eager.score, kv, score, start + i)
+        assert_bitwise_equal(graph_out, want, f"rows of step {i}")
+        assert_bitwise_equal(graph_cuc, want_cuc, f"cu_seqlens_comp of step {i}")
+    assert_bitwise_equal(state.kv, eager.kv, "kv_state")
+    assert_bitwise_equal(state.score, eager.score, "score_state")
+
+
+def test_static_capacity_never_syncs():
+    tokens, state, slots, start, ape = _decode_inputs(16, 4, 2, 128, 32, 1)
+    cu = torch.arange(17, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, 4, 2, 16)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def test_opcheck_cuda():
+    tokens, state, slots, start, ape = _decode_inputs(8, 4, 2, 64, 16, 1)
+    cu = torch.arange(9, dtype=torch.int32, device="cuda")
+    for total_comp in (8, None):
+        torch.library.opcheck(OP, (*tokens[0], ape, cu, start, slots, state.kv, state.score, 4,
+                                   2, total_comp))
+
+
+def test_compile_decode_step_matches_eager(compile_env):
+    tokens, state, slots, start, ape = _decode_inputs(32, 4, 2, 128, 40, 9)
+    eager_kv, eager_score = state.kv.clone(), state.score.clone()
+    cu = torch.arange(33, dtype=torch.int32, device="cuda")
+
+    def step(kv, score, pos, kv_state, score_state):
+        out, cuc = OP(kv, score, ape, cu, pos, slots, kv_state, score_state, 4, 2, 32)
+        return out * 1.0, cuc
+
+    compiled = torch.compile(step, fullgraph=True)
+    for i, (kv, score) in enumerate(tokens):
+        got = compiled(kv, score, start + i, state.kv, state.score)
+        want = step(kv, score, start + i, eager_kv, eager_score)
+        assert_bitwise_equal(got[0], want[0], f"rows of step {i}")
+    assert_bitwise_equal(state.kv, eager_kv, "kv_state")
+    assert_bitwise_equal(state.score, eager_score, "score_state")
+
+
+def test_more_requests_than_slots_is_an_error_on_cuda():
+    tokens, _state, slots, start, ape = _decode_inputs(8, 4, 2, 64, 8, 1)
+    cu = torch.arange(9, dtype=torch.int32, device="cuda")
+    small = CompressorState(4, 4, 2, 64, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="8 requests cannot have distinct slots among 4"):
+        OP(*tokens[0], ape, cu, start, slots, small.kv, small.score, 4, 2, 8)
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1), (1, 2)])
+def test_adversarial_slots_and_positions_stay_in_bounds(ratio, coff):
+    """No content checks run on CUDA: any slots, positions and offsets must index in bounds
+    (PyTorch's device-side index asserts fire otherwise; memcheck sees the rest). Inputs
+    sit at tensor ends (no caching allocator under the sanitizer job)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    batch, head_dim, num_slots = 6, 64, 5
+    width = coff * head_dim
+    state = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    ape = torch.randn(ratio, width, device="cuda", generator=gen)
+    for trial in range(12):
+        tokens = int(torch.randint(0, 20, (), generator=gen, device="cuda"))
+        kv = torch.randn(tokens, width, device="cuda", generator=gen).bfloat16()
+        score = torch.randn(tokens, width, device="cuda", generator=gen).bfloat16()
+        cu = torch.randint(-30, 40, (batch + 1,), device="cuda", generator=gen).int()
+        start = torch.randint(-2**31, 2**31 - 1, (batch,), device="cuda", generator=gen,
+                              dtype=torch.int64).int()
+        if trial % 2:
+            start = start % (4 * ratio)
+        slots = torch.randint(-2 * num_slots, 2 * num_slots, (batch,), device="cuda",
+                              generator=gen).int()
+        out, cuc = OP(kv, score, ape, cu, start, slots, state.kv, state.score, ratio, coff, 7)
+        torch.cuda.synchronize()
+        assert out.shape == (7, head_dim) and cuc.shape == (batch + 1,)

@@ -1,0 +1,192 @@
+"""Drivers for csa::compressor_extend tests on any device: whole sequences, random chunked
+schedules, the one-shot csa::compressor comparator and SPEC 8's state written out directly.
+
+`expected_state` is written from SPEC 8's state layout alone, from the raw tokens; it shares
+no code with csa_ops.reference_extend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from csa_ops import CompressorState
+
+
+@dataclasses.dataclass
+class Requests:
+    """Whole token sequences of several requests (what a one-shot call would see)."""
+
+    kv: list
+    score: list
+    ape: torch.Tensor
+    ratio: int
+    coff: int
+    head_dim: int
+
+    @property
+    def lengths(self) -> list:
+        return [t.shape[0] for t in self.kv]
+
+    @property
+    def width(self) -> int:
+        return self.coff * self.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.ape.device
+
+    @property
+    def acc(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+def make_requests(lengths, ratio: int, coff: int, head_dim: int, dtype=torch.float32,
+                  device="cpu", seed: int = 0, ape_dtype=torch.float32) -> Requests:
+    """Values drawn in fp64 on the CPU, so every dtype and device sees the same numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    width = coff * head_dim
+
+    def draw(rows, scale, to=dtype):
+        x = torch.randn(rows, width, generator=gen, dtype=torch.float64) * scale
+        return x.to(device=device, dtype=to)
+
+    kv = [draw(n, 1.0) for n in lengths]
+    score = [draw(n, 2.0) for n in lengths]
+    return Requests(kv, score, draw(ratio, 0.5, ape_dtype), ratio, coff, head_dim)
+
+
+def one_shot_rows(req: Requests) -> list:
+    """Rows of each request from one csa::compressor call over the whole sequences."""
+    lengths = req.lengths
+    as_int32 = {"dtype": torch.int32, "device": req.device}
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], **as_int32)
+    counts = [n // req.ratio for n in lengths]
+    cuc = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))], **as_int32)
+    # fp32(ape) is exactly what both ops add, whatever ape's dtype.
+    out = torch.ops.csa.compressor(torch.cat(req.kv), torch.cat(req.score), req.ape.to(req.acc),
+                                   cu, cuc, req.ratio, req.coff, None)
+    return list(out.split(counts))
+
+
+def random_schedule(lengths, ratio: int, seed: int, decode_tail: int = 0) -> list:
+    """Steps of (request, new tokens) lists: random subsets in random order, until every
+    request has consumed its sequence. Prefill pieces have length 0, 1, around ratio or
+    larger; the last ``decode_tail`` tokens of a request come one per step (decode), mixed
+    into the same batches as other requests' prefill."""
+    rng = random.Random(seed)
+    prefill = [max(n - decode_tail, 0) for n in lengths]
+    consumed = [0] * len(lengths)
+    steps = []
+
+    def size(i: int) -> int:
+        if consumed[i] >= prefill[i]:  # this request decodes while others may still prefill
+            return min(rng.choice([0, 1, 1]), lengths[i] - consumed[i])
+        want = rng.choice([0, 1, 1, 2, ratio - 1, ratio, ratio + 1, 2 * ratio + 3,
+                           rng.randint(0, max(prefill[i], 1))])
+        return max(0, min(want, prefill[i] - consumed[i]))
+
+    while any(c < n for c, n in zip(consumed, lengths)):
+        chosen = [i for i in range(len(lengths)) if rng.random() < 0.6] or [0]
+        rng.shuffle(chosen)
+        step = []
+        for i in chosen:
+            piece = size(i)
+            consumed[i] += piece
+            step.append((i, piece))
+        steps.append(step)
+    return steps
+
+
+def run_schedule(req: Requests, schedule, state: CompressorState, slot_of, extra_rows=None):
+    """Drive ``schedule`` through csa::compressor_extend; return (rows per request, positions).
+
+    ``extra_rows`` None passes total_comp=None; an int passes the true count plus that many
+    padding rows, which must come back exact zeros.
+    """
+    consumed = [0] * len(req.kv)
+    rows = [[] for _ in req.kv]
+    for step in schedule:
+        out, cuc, true_rows = extend_step(req, step, consumed, state, slot_of, extra_rows)
+        if extra_rows is not None:
+            assert out.shape[0] == true_rows + extra_rows
+            assert int(torch.count_nonzero(out[true_rows:])) == 0, "padding rows not zero"
+        bounds = cuc.tolist()
+        assert bounds[-1] == true_rows
+        for j, (i, piece) in enumerate(step):
+            rows[i].append(out[bounds[j]:bounds[j + 1]])
+            consumed[i] += piece
+    per_request = [torch.cat(r) if r else req.kv[i].new_zeros(0, req.head_dim)
+                   for i, r in enumerate(rows)]
+    return per_request, consumed
+
+
+def step_inputs(req: Requests, step, consumed, slot_of):
+    """Packed (kv, score, cu_seqlens, start_pos, slots) of one step."""
+    kv = [req.kv[i][consumed[i]:consumed[i] + n] for i, n in step]
+    score = [req.score[i][consumed[i]:consumed[i] + n] for i, n in step]
+    empty = req.kv[0].new_zeros(0, req.width)
+    as_int32 = {"dtype": torch.int32, "device": req.device}
+    cu = [0]
+    for _, n in step:
+        cu.append(cu[-1] + n)
+    return (torch.cat(kv + [empty]), torch.cat(score + [empty]), torch.tensor(cu, **as_int32),
+            torch.tensor([consumed[i] for i, _ in step], **as_int32),
+            torch.tensor([slot_of[i] for i, _ in step], **as_int32))
+
+
+def extend_step(req: Requests, step, consumed, state, slot_of, extra_rows=None):
+    kv, score, cu, start_pos, slots = step_inputs(req, step, consumed, slot_of)
+    true_rows = sum((consumed[i] + n) // req.ratio - consumed[i] // req.ratio for i, n in step)
+    total_comp = None if extra_rows is None else true_rows + extra_rows
+    out, cuc = torch.ops.csa.compressor_extend(kv, score, req.ape, cu, start_pos, slots,
+                                               state.kv, state.score, req.ratio, req.coff,
+                                               total_comp)
+    return out, cuc, true_rows
+
+
+def expected_state(req: Requests, i: int, position: int):
+    """(kv, logits, specified) of request i's slot after ``position`` tokens, per SPEC 8."""
+    r, window = req.ratio, req.coff * req.ratio
+    kv = req.kv[i].new_zeros(window, req.width)
+    logits = torch.full((window, req.width), float("-inf"), dtype=req.acc, device=req.device)
+    specified = torch.zeros(window, dtype=torch.bool)
+    q, m = divmod(position, r)
+
+    def put(entry, token):
+        kv[entry] = req.kv[i][token]
+        logits[entry] = req.score[i][token].to(req.acc) + req.ape[token % r].to(req.acc)
+        specified[entry] = True
+
+    own = (req.coff - 1) * r
+    for k in range(m):
+        put(own + k, q * r + k)
+    if req.coff == 2:
+        specified[:r] = True  # the initial state while q == 0
+        for k in range(r if q > 0 else 0):
+            put(k, (q - 1) * r + k)
+    return kv, logits, specified
+
+
+def assert_state(req: Requests, state: CompressorState, slot_of, consumed, assert_equal):
+    for i, position in enumerate(consumed):
+        kv, logits, specified = expected_state(req, i, position)
+        slot = slot_of[i]
+        assert_equal(state.kv[slot][specified], kv[specified], f"kv_state of request {i}")
+        assert_equal(state.score[slot][specified], logits[specified],
+                     f"score_state of request {i}")
+
+
+def assert_rows(req: Requests, rows, assert_equal):
+    for i, (got, want) in enumerate(zip(rows, one_shot_rows(req))):
+        assert_equal(got, want, f"rows of request {i}")
+
+
+def permuted_slots(num_requests: int, num_slots: int, seed: int) -> list:
+    return random.Random(seed).sample(range(num_slots), num_requests)
