@@ -103,6 +103,29 @@ def time_graph(graph: torch.cuda.CUDAGraph, batch: int, warmup: int,
     return _median_per_call(samples, batch)
 
 
+def graph_time_per_call(fn: Callable[[object], object], inputs: list, batch: int = 20,
+                        warmup: int = 1, iters: int = 30) -> float:
+    """Median seconds per call of ``fn(x)`` inside replays of a graph of ``batch`` calls
+    that cycle over ``inputs`` (one capture, then ``iters`` timed replays)."""
+    graph, _ = capture_graph(lambda i: fn(inputs[i % len(inputs)]), batch, warmup)
+    median, _ = time_graph(graph, batch, warmup, iters)
+    return median
+
+
+def host_time_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """Seconds of host time per call of ``fn``: no synchronization inside the timed loop, so
+    it is the Python, dispatch and launch cost, not the device time."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls
+
+
 def syncs_host(fn: Callable[[], object]) -> str | None:
     """The error text if ``fn`` synchronizes with the host (so cannot be graph-captured)."""
     previous = torch.cuda.get_sync_debug_mode()

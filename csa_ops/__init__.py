@@ -1,28 +1,42 @@
 """csa-ops: the CSA/HCA Compressor as a first-class PyTorch op, ``torch.ops.csa.compressor``.
 
-Importing the package registers both ops, their fakes, autograd and (where the installed
-torch supports it) the Inductor integration.
+Importing the package registers both ops, their fakes and autograd. It imports neither
+Inductor nor the CuTe DSL (SPEC 7): the Inductor integration, ``csa_ops.lowering``, is
+registered by the fake kernels when a trace first meets the op, and the DSL only when a
+kernel must be compiled (a warm kernel cache loads kernels without it).
 """
+
+import importlib  # noqa: I001  (ops defines the ops before meta registers their fakes)
+
+import torch
 
 from . import ops
 from . import meta  # noqa: F401  (registers the fake kernels)
 from .module import Compressor, offsets_for
 from .ops import compressor
-
-try:
-    from . import lowering  # noqa: F401  (Inductor integration; version-gated inside)
-except ImportError as error:  # the op works without it, only unfused under torch.compile
-    import warnings
-
-    warnings.warn(f"csa_ops.lowering unavailable ({error}); torch.compile uses the extern op")
+from .serving import CompressorState, compressor_extend
 
 __version__ = "0.1.0"
 
 
-def precompile(ratio: int, head_dim: int, coff: int, dtype=None, arch=None):
-    """Compile both kernel directions of one configuration ahead of use (see ``host``)."""
+def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
+               arch: str | None = None):
+    """Compile both kernel directions of one configuration ahead of use; returns their keys.
+
+    dtype None means torch.bfloat16. arch None means the current CUDA device; "sm_90a" or
+    "sm_100a" cross-compiles on a machine without a GPU.
+    """
     from . import host
-    return host.precompile(ratio, head_dim, coff, dtype=dtype, arch=arch)
+
+    return host.precompile(ratio, head_dim, coff, dtype, arch)
 
 
-__all__ = ["Compressor", "compressor", "offsets_for", "precompile", "ops"]
+def __getattr__(name: str):
+    # ``csa_ops.lowering`` without importing Inductor at package import (PEP 562).
+    if name == "lowering":
+        return importlib.import_module(f"{__name__}.lowering")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Compressor", "CompressorState", "compressor", "compressor_extend", "offsets_for",
+           "ops", "precompile"]

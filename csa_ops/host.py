@@ -21,7 +21,7 @@ import torch
 
 from . import config, kernel_cache, launcher
 from .config import KernelKey, LaunchPlan
-from .kernels import FAMILIES, select_key
+from .kernels import FAMILIES, extend_plan, select_key
 
 _TORCH_DTYPES = {getattr(torch, name): name for name in config.DTYPES}
 
@@ -83,8 +83,9 @@ def _device_info(dev: torch.device) -> tuple[str | None, int]:
 # ---------------------------------------------------------------------------------------
 # The kernels' argument list
 
-# Pointer kinds: "data" (the key's dtype, key.align_bytes), "f32" (ape, grad_ape, workspace;
-# 16-byte aligned), "idx" (cu, cuc; int32). "i32" is an Int32 scalar. The stream follows.
+# Pointer kinds: "data" (the key's dtype, key.align_bytes), "f32" (ape, grad_ape, workspace,
+# score_state; 16-byte aligned), "idx" (int32: cu, cuc, start_pos, slots). "i32" is an Int32
+# scalar. The stream follows. "ext" is csa::compressor_extend's kernel (kernels/extend.py).
 ARGUMENTS = {
     "fwd": (("kv", "data"), ("score", "data"), ("ape", "f32"), ("cu", "idx"), ("cuc", "idx"),
             ("out", "data"), ("workspace", "f32"), ("num_tokens", "i32"), ("num_rows", "i32"),
@@ -93,8 +94,13 @@ ARGUMENTS = {
             ("cu", "idx"), ("cuc", "idx"), ("grad_kv", "data"), ("grad_score", "data"),
             ("grad_ape", "f32"), ("workspace", "f32"), ("num_tokens", "i32"),
             ("num_rows", "i32"), ("num_segs", "i32"), ("grid", "i32")),
+    "ext": (("kv", "data"), ("score", "data"), ("ape", "f32"), ("cu", "idx"),
+            ("start_pos", "idx"), ("slots", "idx"), ("kv_state", "data"),
+            ("score_state", "f32"), ("out", "data"), ("cuc", "idx"), ("num_tokens", "i32"),
+            ("num_rows", "i32"), ("num_requests", "i32"), ("num_slots", "i32"),
+            ("grid", "i32")),
 }
-DIRECTIONS = tuple(ARGUMENTS)
+DIRECTIONS = ("fwd", "bwd")  # csa::compressor's; "ext" compiles from the forward's key
 
 
 def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
@@ -105,12 +111,17 @@ def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
     return tuple(slots[kind] for _, kind in ARGUMENTS[direction])
 
 
+def _launch_entry(direction: str, key: KernelKey) -> Callable[..., Any]:
+    if direction == "ext":
+        return extend_plan.launch_entry(key)
+    return FAMILIES[key.family].launch_entry(key, direction == "bwd")
+
+
 def ptx(direction: str, key: KernelKey) -> str:
     """PTX of one direction of ``key`` (numerics audits and hash checks)."""
     from .kernels import entry
 
-    launch = FAMILIES[key.family].launch_entry(key, direction == "bwd")
-    return entry.ptx(launch, key.arch, launch_signature(direction, key))
+    return entry.ptx(_launch_entry(direction, key), key.arch, launch_signature(direction, key))
 
 
 # ---------------------------------------------------------------------------------------
@@ -121,9 +132,8 @@ def _compile(direction: str, key: KernelKey) -> Any:
     """JIT one direction of ``key`` (the DSL is imported here, and only here)."""
     from .kernels import entry
 
-    launch = FAMILIES[key.family].launch_entry(key, direction == "bwd")
-    return entry.compile_entry(launch, key.arch, launch_signature(direction, key),
-                               tvm_ffi=launcher.TVM_FFI)
+    return entry.compile_entry(_launch_entry(direction, key), key.arch,
+                               launch_signature(direction, key), tvm_ffi=launcher.TVM_FFI)
 
 
 class _CompileCache:
@@ -219,12 +229,14 @@ def configuration_keys(ratio: int, head_dim: int, coff: int, dtype: torch.dtype,
     return keys
 
 
-def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype = torch.bfloat16,
+def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
                arch: str | None = None) -> list[KernelKey]:
     """Compile (or load from the disk cache) both directions of one configuration.
 
-    arch None means the current CUDA device; "sm_90a"/"sm_100a" cross-compile without a GPU.
+    dtype None means bfloat16; arch None means the current CUDA device; "sm_90a"/"sm_100a"
+    cross-compile without a GPU.
     """
+    dtype = torch.bfloat16 if dtype is None else dtype
     if arch is None:
         if not torch.cuda.is_available():
             raise RuntimeError("precompile: no CUDA device; pass arch='sm_90a' or 'sm_100a'")
@@ -304,7 +316,6 @@ class Problem(NamedTuple):
     device_index: int
     ratio: int
     coff: int
-    plans: dict  # (num_tokens, num_rows) -> LaunchPlan
 
 
 _PROBLEMS: dict[tuple, Problem] = {}
@@ -323,7 +334,7 @@ def _resolve(device: torch.device, dtype: torch.dtype, ratio: int, coff: int, he
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
         problem = _PROBLEMS[memo] = Problem(key, FAMILIES[key.family], num_sms, index, ratio,
-                                            coff, {})
+                                            coff)
     return problem
 
 
@@ -342,104 +353,134 @@ def problem(direction: str, kv: torch.Tensor, score: torch.Tensor, cu: torch.Ten
     return _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, direction)
 
 
-def _plan(problem: Problem, direction: str, num_tokens: int, num_rows: int) -> LaunchPlan:
-    plan = problem.plans.get((num_tokens, num_rows))
-    if plan is None:
-        make = problem.family.plan_backward if direction == "bwd" else problem.family.plan_forward
-        plan = make(problem.key, num_tokens, num_rows, problem.num_sms)
-        if len(problem.plans) >= 1024:
-            problem.plans.clear()
-        problem.plans[(num_tokens, num_rows)] = plan
-    return plan
-
-
 _MULTI_GPU: list[bool] = []
 
 
-def _needs_device_switch(index: int) -> bool:
+def _multi_gpu() -> bool:
     if not _MULTI_GPU:
         _MULTI_GPU.append(torch.cuda.device_count() > 1)
-    return _MULTI_GPU[0] and index != torch.cuda.current_device()
+    return _MULTI_GPU[0]
 
 
-def _aligned(t: torch.Tensor, align: int) -> torch.Tensor:
-    # A contiguous view can start at any element; the kernels assume aligned vectors.
-    return t if t.data_ptr() % align == 0 else t.clone()
+def _needs_device_switch(index: int) -> bool:
+    return _multi_gpu() and index != torch.cuda.current_device()
 
 
-def _launch(direction: str, problem: Problem, plan: LaunchPlan, tensors: list[torch.Tensor],
-            sizes: list[int], ape: torch.Tensor) -> None:
-    """One launch on the current stream of the tensors' device; `tensors` in ARGUMENTS order
-    without the workspace, `sizes` = (num_tokens, num_rows, num_segs)."""
+def _launcher_for(problem: Problem, direction: str):
+    """launch(values) on the current stream of the problem's device."""
     launch = _CACHE.get(direction, problem.key)
-    # With no workspace the slot gets some fp32 pointer the kernel never touches.
-    work = (torch.empty(plan.workspace, dtype=torch.float32, device=ape.device)
-            if plan.workspace else ape)
-    values = [t.data_ptr() for t in tensors]
-    values.append(work.data_ptr())
-    values += sizes
-    values.append(plan.grid)
     index = problem.device_index
-    stream = launcher.current_stream_handle(index)
-    if not _needs_device_switch(index):
-        launch(values, stream)
-        return
-    # Kernels launch into the current context: make it the tensors' device for this call.
-    with torch.cuda.device(index):
-        launch(values, stream)
+    stream = launcher.current_stream_handle
+    if not _multi_gpu():
+        return lambda values: launch(values, stream(index))
+
+    def switching(values):
+        # Kernels launch into the current context: make it the tensors' device.
+        with torch.cuda.device(index):
+            launch(values, stream(index))
+
+    return switching
 
 
-def compressor_forward(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
-                       ape: torch.Tensor, cu: torch.Tensor, cuc: torch.Tensor,
-                       total_comp: int) -> torch.Tensor:
-    """out (total_comp, head_dim): every row written, padding rows n >= cuc[-1] as zeros."""
+def _realigned(tensors: list[torch.Tensor], align: tuple[int, ...]):
+    """(addresses, copies) where a tensor's base breaks the kernels' assumed alignment (a
+    contiguous view can start at any element). The caller holds the copies until the
+    launch is queued; after that the caching allocator reuses their memory only for work
+    ordered after the kernel."""
+    copies = [t if t.data_ptr() % a == 0 else t.clone() for t, a in zip(tensors, align)]
+    return [t.data_ptr() for t in copies], copies
+
+
+def prepare_forward(problem: Problem, num_tokens: int, total_comp: int, num_segs: int,
+                    dtype: torch.dtype, device: torch.device):
+    """forward(kv, score, ape32, cu, cuc) -> out for one validated call signature: the plan,
+    the kernel and the launch values that depend only on it are fixed here, once."""
     key = problem.key
-    out = torch.empty((total_comp, key.head_dim), dtype=kv.dtype, device=kv.device)
+    shape = (total_comp, key.head_dim)
     if total_comp == 0:
+        return lambda *tensors: torch.empty(shape, dtype=dtype, device=device)
+    plan = problem.family.plan_forward(key, num_tokens, total_comp, problem.num_sms)
+    launch = _launcher_for(problem, "fwd")
+    align = (key.align_bytes, key.align_bytes, 16, 4, 4, key.align_bytes)
+    data_align, tail = key.align_bytes, [num_tokens, total_comp, num_segs, plan.grid]
+    workspace = plan.workspace
+
+    def forward(kv, score, ape, cu, cuc):
+        out = torch.empty(shape, dtype=dtype, device=device)
+        tensors = [kv, score, ape, cu, cuc, out]
+        pointers = [t.data_ptr() for t in tensors]
+        if (pointers[0] | pointers[1]) % data_align or pointers[2] % 16:
+            pointers, tensors = _realigned(tensors, align)
+        work = torch.empty(workspace, dtype=torch.float32, device=device) if workspace else out
+        launch([*pointers, work.data_ptr(), *tail])
         return out
-    plan = _plan(problem, "fwd", kv.shape[0], total_comp)
-    kv, score = _aligned(kv, key.align_bytes), _aligned(score, key.align_bytes)
-    ape = _aligned(ape, 16)
-    sizes = [kv.shape[0], total_comp, cu.shape[0] - 1]
-    _launch("fwd", problem, plan, [kv, score, ape, cu, cuc, out], sizes, ape)
-    return out
+
+    return forward
 
 
-def compressor_backward(problem: Problem, grad_out: torch.Tensor, kv: torch.Tensor,
-                        score: torch.Tensor, ape: torch.Tensor, cu: torch.Tensor,
-                        cuc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_kv, grad_score, grad_ape); never-consumed elements are exact zeros."""
+def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs: int,
+                     ape_shape, device: torch.device):
+    """backward(grad_out, kv, score, ape32, cu, cuc) -> (grad_kv, grad_score, grad_ape32)
+    for one validated call signature; never-consumed elements are exact zeros."""
     key = problem.key
-    num_tokens = kv.shape[0]
-    grad_kv = torch.empty_like(kv)
-    grad_score = torch.empty_like(score)
-    grad_ape = torch.empty(ape.shape, dtype=torch.float32, device=kv.device)
-    num_rows = grad_out.shape[0]
-    plan = _plan(problem, "bwd", num_tokens, num_rows)
+    plan = problem.family.plan_backward(key, num_tokens, num_rows, problem.num_sms)
+    launch = _launcher_for(problem, "bwd")
     a = key.align_bytes
-    grad_out, kv, score = _aligned(grad_out, a), _aligned(kv, a), _aligned(score, a)
-    ape = _aligned(ape, 16)
-    tensors = [grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape]
-    _launch("bwd", problem, plan, tensors, [num_tokens, num_rows, cu.shape[0] - 1], ape)
-    return grad_kv, grad_score, grad_ape
+    align = (a, a, a, 16, 4, 4, a, a, 16)
+    tail = [num_tokens, num_rows, num_segs, plan.grid]
+    workspace = plan.workspace
+
+    def backward(grad_out, kv, score, ape, cu, cuc):
+        grad_kv = torch.empty_like(kv)
+        grad_score = torch.empty_like(score)
+        grad_ape = torch.empty(ape_shape, dtype=torch.float32, device=device)
+        tensors = [grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape]
+        pointers = [t.data_ptr() for t in tensors]
+        if (pointers[0] | pointers[1] | pointers[2]) % a or pointers[3] % 16:
+            pointers, tensors = _realigned(tensors, align)
+        work = torch.empty(workspace, dtype=torch.float32, device=device) if workspace \
+            else grad_ape
+        launch([*pointers, work.data_ptr(), *tail])
+        return grad_kv, grad_score, grad_ape
+
+    return backward
+
+
+def prepare(direction: str, tensors, ratio: int, coff: int, total_comp):
+    """The prepared kernel call of a validated call signature, None when no kernel runs it
+    (the reference does). ``tensors``: the op's tensor arguments in schema order; ape may
+    have any float dtype (the caller passes it upcast to fp32)."""
+    kv, score, ape, cu, cuc = tensors[-5:]
+    found = problem("bwd" if direction == "bwd" else "fwd", kv, score, cu, cuc, ratio, coff)
+    if found is None:
+        return None
+    if direction == "bwd":
+        return prepare_backward(found, kv.shape[0], tensors[0].shape[0], cu.shape[0] - 1,
+                                ape.shape, kv.device)
+    return prepare_forward(found, kv.shape[0], total_comp, cu.shape[0] - 1, kv.dtype,
+                           kv.device)
+
+
+def _prepared(direction, tensors, ratio, coff, total_comp):
+    call = prepare(direction, tensors, ratio, coff, total_comp)
+    if call is None:
+        kv = tensors[-5]
+        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} "
+                           f"width={kv.shape[1]} {kv.dtype} on {kv.device}")
+    return call
 
 
 def run_forward(kv, score, ape, cu, cuc, ratio: int, coff: int, total_comp: int):
     """The forward kernel on validated inputs (tests and benchmarks call the kernels here)."""
-    found = problem("fwd", kv, score, cu, cuc, ratio, coff)
-    if found is None:
-        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} "
-                           f"width={kv.shape[1]} {kv.dtype} on {kv.device}")
-    return compressor_forward(found, kv, score, ape.float(), cu, cuc, total_comp)
+    tensors = (kv, score, ape, cu, cuc)
+    return _prepared("fwd", tensors, ratio, coff, total_comp)(kv, score, ape.float(), cu, cuc)
 
 
 def run_backward(grad_out, kv, score, ape, cu, cuc, ratio: int, coff: int):
     """The backward kernels on validated inputs; grad_ape in fp32."""
-    found = problem("bwd", kv, score, cu, cuc, ratio, coff)
-    if found is None:
-        raise RuntimeError(f"csa_ops: no CUDA kernel for ratio={ratio} coff={coff} "
-                           f"width={kv.shape[1]} {kv.dtype} on {kv.device}")
-    return compressor_backward(found, grad_out, kv, score, ape.float(), cu, cuc)
+    tensors = (grad_out, kv, score, ape, cu, cuc)
+    return _prepared("bwd", tensors, ratio, coff, None)(grad_out, kv, score, ape.float(), cu,
+                                                         cuc)
 
 
 def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> None:
@@ -450,3 +491,77 @@ def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> Non
     index = tensors[0].device.index or 0
     launch([t.data_ptr() for t in tensors] + [*sizes, grid],
            launcher.current_stream_handle(index))
+
+
+# ---------------------------------------------------------------------------------------
+# csa::compressor_extend (SPEC 8): one kernel, compiled from the forward's register-window key
+
+
+def extend_problem(kv: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
+                   ratio: int, coff: int) -> Problem | None:
+    """The extend kernel's problem of a validated call (the forward's: its key's flags fix
+    the rows' bits), None when the reference runs it: no register-window forward key for
+    this device and shape, or state tensors whose bases break the kernel's alignment (they
+    are written in place, so they cannot be copied)."""
+    if not kv.is_cuda or kv.dtype not in _TORCH_DTYPES or kv.dim() != 2:
+        return None
+    if kv.shape[1] == 0 or kv.shape[1] % coff:
+        return None
+    found = _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, "fwd")
+    if found is None or not extend_plan.supports(found.key):
+        return None
+    if kv_state.data_ptr() % found.key.align_bytes or score_state.data_ptr() % 16:
+        return None
+    return found
+
+
+def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
+                      ape: torch.Tensor, cu: torch.Tensor, start_pos: torch.Tensor,
+                      slots: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
+                      num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (num_rows, head_dim), cu_seqlens_comp); writes the state in place. Inputs are
+    validated and contiguous, ape fp32, the state as extend_problem accepts it."""
+    key = problem.key
+    a = key.align_bytes
+    kv, score = (t if t.data_ptr() % a == 0 else t.clone() for t in (kv, score))
+    ape = ape if ape.data_ptr() % 16 == 0 else ape.clone()
+    num_requests = start_pos.shape[0]
+    out = torch.empty((num_rows, key.head_dim), dtype=kv.dtype, device=kv.device)
+    cuc = torch.empty(num_requests + 1, dtype=torch.int32, device=kv.device)
+    plan = extend_plan.plan(key, num_requests, num_rows)
+    tensors = (kv, score, ape, cu, start_pos, slots, kv_state, score_state, out, cuc)
+    values = [t.data_ptr() for t in tensors]
+    values += [kv.shape[0], num_rows, num_requests, kv_state.shape[0], plan.grid]
+    launch = _CACHE.get("ext", key)
+    index = problem.device_index
+    stream = launcher.current_stream_handle(index)
+    if _needs_device_switch(index):
+        with torch.cuda.device(index):
+            launch(values, stream)
+    else:
+        launch(values, stream)
+    return out, cuc
+
+
+def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
+                      arch: str | None = None) -> KernelKey:
+    """Compile (or load from the disk cache) csa::compressor_extend's kernel of one
+    configuration; dtype None means bfloat16, arch None the current CUDA device."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"precompile_extend: dtype must be one of {list(_TORCH_DTYPES)}, "
+                         f"got {dtype}")
+    if arch is None:
+        arch = device_arch() if torch.cuda.is_available() else None
+        if arch is None:
+            raise RuntimeError("precompile_extend: no supported CUDA device; pass "
+                               f"arch= one of {config.ARCHS}")
+    if arch not in config.ARCHS:
+        raise ValueError(f"precompile_extend: arch must be one of {config.ARCHS}, got {arch!r}")
+    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, False)
+    if key is None or not extend_plan.supports(key):
+        raise ValueError(f"precompile_extend: no extend kernel for ratio={ratio}, coff={coff}, "
+                         f"head_dim={head_dim}, dtype={dtype} (windows up to "
+                         f"{extend_plan.WINDOW_MAX} only)")
+    _CACHE.get("ext", key)
+    return key

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .ops import compressor
+from .serving import CompressorState
 
 
 class Compressor(nn.Module):
@@ -19,7 +20,8 @@ class Compressor(nn.Module):
         self.ratio, self.coff, self.head_dim = ratio, coff, head_dim
         self.wkv = nn.Linear(dim, coff * head_dim, bias=False, **factory)
         self.wgate = nn.Linear(dim, coff * head_dim, bias=False, **factory)
-        # The position embedding of the gate logits stays fp32 whatever the model dtype.
+        # The position embedding of the gate logits starts fp32 whatever the factory dtype (as
+        # in the official model); a later model.to(dtype) may convert it: the op takes any.
         self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, device=device,
                                             dtype=torch.float32))
         self.norm = nn.RMSNorm(head_dim, eps=eps, **factory)
@@ -30,6 +32,15 @@ class Compressor(nn.Module):
         pooled = compressor(self.wkv(x), self.wgate(x), self.ape, cu_seqlens, cu_seqlens_comp,
                             ratio=self.ratio, coff=self.coff, total_comp=total_comp)
         return self.norm(pooled)
+
+    @torch.no_grad()
+    def extend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+               slots: torch.Tensor, state: CompressorState, total_comp: int | None = None):
+        """Inference over new tokens ``x`` (THD-packed) continuing each request's ``state``
+        slot (see ``csa_ops.compressor_extend``): ``(normalized rows, cu_seqlens_comp)``."""
+        pooled, cu_seqlens_comp = state.extend(self.wkv(x), self.wgate(x), self.ape,
+                                               cu_seqlens, start_pos, slots, total_comp)
+        return self.norm(pooled), cu_seqlens_comp
 
 
 def offsets_for(lengths, ratio: int, device=None):

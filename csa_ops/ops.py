@@ -61,15 +61,43 @@ def _compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_
                                           total_comp)
 
 
+# Metadata signature of a CUDA call -> its prepared kernel call (host.prepare), or _REFERENCE
+# when no kernel runs it. A signature seen before passed every metadata check and was
+# resolved, so repeated calls skip both (they cost more Python than the launch itself).
+_PREPARED: dict[tuple, object] = {}
+_REFERENCE = object()
+_PREPARED_MAX = 4096
+
+
+def _prepared_cuda(direction, tensors, ratio, coff, total_comp, check):
+    try:
+        signature = (*[(t.shape, t.dtype, t.device) for t in tensors], ratio, coff, total_comp)
+    except AttributeError:  # not a tensor: the full check names the argument
+        signature = None
+    call = _PREPARED.get(signature) if signature is not None else None
+    if call is None:
+        check()
+        call = _host().prepare(direction, tensors, ratio, coff, total_comp) or _REFERENCE
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        _PREPARED[signature] = call
+    return call
+
+
 def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
-    validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp)
-    args = _contiguous(kv, score, ape, cu_seqlens, cu_seqlens_comp)
     if total_comp is None:
-        total_comp = int(cu_seqlens_comp[-1])  # the documented host sync of the None form
-    host = _host()
-    if host.supports(*args, ratio, coff):
-        return host.compressor_forward(*args, ratio, coff, total_comp)
-    return reference.compressor_reference(*args, ratio, coff, total_comp)
+        # The documented host sync of the None form (validation first: cuc may be anything).
+        validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+        total_comp = int(cu_seqlens_comp[-1])
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    call = _prepared_cuda("fwd", args, ratio, coff, total_comp,
+                          lambda: validation.check_arguments(*args, ratio, coff, total_comp))
+    kv, score, ape, cu_seqlens, cu_seqlens_comp = _contiguous(*args)
+    if call is _REFERENCE:
+        return reference.compressor_reference(kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                              ratio, coff, total_comp)
+    # The kernels read fp32 ape; the upcast is exact, so the logits are the same.
+    return call(kv, score, ape.float(), cu_seqlens, cu_seqlens_comp)
 
 
 def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
@@ -85,13 +113,17 @@ def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, 
 
 
 def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
-    validation.check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
-                                        ratio, coff)
-    args = _contiguous(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
-    host = _host()
-    if host.supports(*args[1:], ratio, coff):
-        return host.compressor_backward(*args, ratio, coff)
-    return reference.compressor_backward_reference(*args, ratio, coff)
+    args = (grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    call = _prepared_cuda("bwd", args, ratio, coff, None,
+                          lambda: validation.check_backward_arguments(*args, ratio, coff))
+    grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp = _contiguous(*args)
+    if call is _REFERENCE:
+        return reference.compressor_backward_reference(grad_out, kv, score, ape, cu_seqlens,
+                                                       cu_seqlens_comp, ratio, coff)
+    # The kernels read fp32 ape and reduce grad_ape in fp32: round it once to ape's dtype.
+    grad_kv, grad_score, grad_ape = call(grad_out, kv, score, ape.float(), cu_seqlens,
+                                         cu_seqlens_comp)
+    return grad_kv, grad_score, grad_ape.to(ape.dtype)
 
 
 def _setup_context(ctx, inputs, output):
@@ -132,8 +164,9 @@ def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     """Pool every ``ratio`` tokens of each packed sequence into one row with a gated softmax.
 
     Inputs are THD-packed: ``kv`` and ``score`` are ``(T, coff*d)``, ``ape`` is
-    ``(ratio, coff*d)`` float32, ``cu_seqlens``/``cu_seqlens_comp`` are the int32
-    cumulative token and row counts (``cuc[s+1]-cuc[s] == (cu[s+1]-cu[s]) // ratio``).
+    ``(ratio, coff*d)`` in any float dtype (float64 only with float64 ``kv``; it is added in
+    fp32 and ``grad_ape`` comes back in its dtype), ``cu_seqlens``/``cu_seqlens_comp`` are the
+    int32 cumulative token and row counts (``cuc[s+1]-cuc[s] == (cu[s+1]-cu[s]) // ratio``).
     Row ``n`` of segment ``s``, block ``b = n - cuc[s]``, first token ``t0 = cu[s] + b*ratio``:
 
     * ``coff=1``: softmax over ``k < ratio`` of ``score[t0+k, j] + ape[k, j]`` weights

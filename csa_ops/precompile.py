@@ -1,4 +1,4 @@
-"""Ahead-of-time kernels: ``csa_ops.precompile(...)`` and ``python -m csa_ops.precompile``.
+"""Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``).
 
 The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
 configurations, dtypes and archs, on any machine, without a GPU (cross-compiling). Ship the
@@ -17,21 +17,9 @@ import os
 import pathlib
 import sys
 import time
+import types
 
 import torch
-
-
-def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
-               arch: str | None = None):
-    """Compile (or load from the disk cache) both kernel directions of one configuration.
-
-    ``dtype`` None means bfloat16; ``arch`` None means the current CUDA device, while
-    "sm_90a" / "sm_100a" cross-compile without a GPU. Returns the two kernel keys.
-    """
-    from . import host
-
-    return host.precompile(ratio, head_dim, coff, torch.bfloat16 if dtype is None else dtype,
-                           arch=arch)
 
 
 def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
@@ -88,5 +76,17 @@ def main(argv=None) -> int:
     return 0
 
 
+class _CallableModule(types.ModuleType):
+    """Importing this module rebinds ``csa_ops.precompile`` to it: it stays callable as the
+    function of the same name."""
+
+    def __call__(self, ratio: int, head_dim: int, coff: int, dtype=None, arch=None):
+        from . import host
+
+        return host.precompile(ratio, head_dim, coff, dtype, arch)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

@@ -75,6 +75,19 @@ def _sequential_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def window_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over dim 1 of (N, W, d) logits; shared with csa_ops.reference_extend so the
+    serving op's rows stay bit-identical to the forward's."""
+    m = logits.amax(dim=1, keepdim=True)
+    e = torch.exp(logits - m)
+    return e / _sequential_sum(e)[:, None, :]
+
+
+def pool_windows(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(N, W, d) masked logits and values -> (N, d) rows: the forward's exact operations."""
+    return _sequential_dot(window_softmax(logits), values)
+
+
 def _gather(x: torch.Tensor, win: _Windows, coff: int, acc: torch.dtype) -> torch.Tensor:
     """(N, W, d) window view of x (T, coff*d), upcast to the accumulation dtype."""
     per_half = x.reshape(x.shape[0], coff, -1)
@@ -88,10 +101,7 @@ def _probs_and_values(kv, score, ape, win: _Windows, coff: int):
     valid = win.entry_valid[:, :, None]
     logits = torch.where(valid, _gather(score, win, coff, acc) + ape_w, float("-inf"))
     values = torch.where(valid, _gather(kv, win, coff, acc), 0.0)
-    m = logits.amax(dim=1, keepdim=True)
-    e = torch.exp(logits - m)
-    p = e / _sequential_sum(e)[:, None, :]
-    return p, values
+    return window_softmax(logits), values
 
 
 def _is_empty(kv, cu_seqlens, rows: int) -> bool:

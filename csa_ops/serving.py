@@ -2,18 +2,18 @@
 
 The op (SPEC 8) extends per-request state by new THD-packed tokens and emits the rows of the
 blocks they complete. It mutates the two state tensors in place and is inference only: an
-Autograd kernel refuses gradient requests. Every device runs ``csa_ops.reference_extend``
-for now. The fake lives in ``csa_ops.meta.serving``; ``CompressorState`` owns the state.
+Autograd kernel refuses gradient requests. CUDA runs the CuTe-DSL kernel (kernels/extend.py)
+for register-window configurations, every other case ``csa_ops.reference_extend``. The fake
+lives in ``csa_ops.meta.serving``; ``CompressorState`` owns the state.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import reference_extend
 from .reference import accumulate_dtype
-from .validation import FLOAT_DTYPES, INT32_MAX
+from .validation import FLOAT_DTYPES, INT32_MAX, definitely
 
 OP = "csa.compressor_extend"
 EXTEND_SCHEMA = (
@@ -57,7 +57,7 @@ def _check_tokens(kv, score, ape, ratio: int, coff: int) -> int:
               f"got {tuple(ape.shape)}")
     if not ape.dtype.is_floating_point:
         _fail(f"`ape` must be a floating-point tensor, got {ape.dtype}")
-    if statically_known_true(kv.shape[0] * width > INT32_MAX):
+    if definitely(kv.shape[0] * width > INT32_MAX):
         _fail(f"`kv` has {kv.shape[0] * width} elements, which overflows int32 offsets")
     return width // coff
 
@@ -94,7 +94,7 @@ def _check_state(kv_state, score_state, kv, ratio: int, coff: int, num_requests)
         _fail("`kv_state` and `score_state` must be different tensors")
     num_slots = kv_state.shape[0]
     # Decided by shapes alone, so checked on every device without a sync.
-    if statically_known_true(num_requests > num_slots):
+    if definitely(num_requests > num_slots):
         _fail(f"`slots`: {num_requests} requests cannot have distinct slots among "
               f"{num_slots} (slots out of range or repeated)")
 
@@ -110,9 +110,9 @@ def check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, scor
     num_requests = _check_requests(cu_seqlens, start_pos, slots, kv)
     _check_state(kv_state, score_state, kv, ratio, coff, num_requests)
     if total_comp is not None:
-        if statically_known_true(total_comp < 0):
+        if definitely(total_comp < 0):
             _fail(f"`total_comp` must be >= 0 or None, got {total_comp}")
-        if statically_known_true(total_comp * head_dim > INT32_MAX):
+        if definitely(total_comp * head_dim > INT32_MAX):
             _fail(f"`total_comp` * head_dim = {total_comp * head_dim} overflows int32 offsets")
     return head_dim
 
@@ -168,6 +168,29 @@ def _compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, s
         total_comp)
 
 
+def _compressor_extend_cuda(kv, score, ape, cu_seqlens, start_pos, slots, kv_state,
+                            score_state, ratio, coff, total_comp=None):
+    check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio,
+                    coff, total_comp)
+    from . import host  # the CuTe-DSL launch path, imported on first CUDA use
+
+    kv, score, ape, cu_seqlens, start_pos, slots = (
+        t.contiguous() for t in (kv, score, ape, cu_seqlens, start_pos, slots))
+    problem = host.extend_problem(kv, kv_state, score_state, ratio, coff)
+    rows = total_comp
+    if problem is not None and rows is None:  # the documented host sync of the None form
+        start = start_pos.long().clamp(min=0)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
+        rows = int(((start + lengths) // ratio - start // ratio).sum())
+    if problem is None or rows * problem.key.head_dim > INT32_MAX:
+        return reference_extend.compressor_extend_reference(
+            kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio, coff,
+            total_comp)
+    # The kernel reads fp32 ape; the upcast is exact, so the logits are the same.
+    return host.compressor_extend(problem, kv, score, ape.float(), cu_seqlens, start_pos,
+                                  slots, kv_state, score_state, rows)
+
+
 def _no_autograd(keyset, *args):
     """Inference only: refuse a gradient request, else run the op below autograd (the
     pattern opcheck asks of non-differentiable ops; torch.library's own autograd kernels
@@ -181,8 +204,9 @@ def _no_autograd(keyset, *args):
             keyset & torch._C._after_autograd_keyset, *args)
 
 
-# CompositeExplicitAutograd: the vectorized reference serves every device.
+# CompositeExplicitAutograd: the vectorized reference serves every device; CUDA has a kernel.
 _LIB.impl("compressor_extend", _compressor_extend, "CompositeExplicitAutograd")
+_LIB.impl("compressor_extend", _compressor_extend_cuda, "CUDA")
 _LIB.impl("compressor_extend", _no_autograd, "Autograd", with_keyset=True)
 
 
@@ -201,11 +225,19 @@ def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     ``cu_seqlens_comp`` (B+1,) int32. ``total_comp=None`` returns exactly the true row count
     (a host sync on CUDA); an int is a static capacity (padding rows exact zeros, no sync).
 
-    Numerics: each row is bit-identical to the row ``csa_ops.reference`` computes for that
-    block over the whole sequence (the window is gathered into the same layout and pooled
-    by the same function); bitwise run-to-run deterministic. Slots must be distinct and in
-    range and positions >= 0: checked on CPU; on CUDA such inputs give unspecified rows and
-    state but never an access out of bounds. Inference only.
+    Numerics (bitwise run-to-run deterministic everywhere): on CUDA, windows
+    ``coff * ratio <= 32`` (the register-window family, which holds the production CSA
+    configurations) run one CuTe-DSL kernel that pools each row with the forward kernel's
+    own per-column softmax and flags, so every row is bit-identical to the row the CUDA
+    ``csa::compressor`` computes for that block over the whole sequence. Everything else
+    runs the reference, whose rows are bit-identical to ``csa_ops.reference`` on the same
+    device (the CPU ``csa::compressor``): larger windows on CUDA (the streaming family, e.g.
+    ratio 128, whose forward is within one rounding step of it), fp64, other archs, tensors
+    of state whose base breaks the kernel's alignment (``kv_state``: kv's vector width,
+    ``score_state``: 16 bytes). Slots must be distinct and in range and positions >= 0:
+    checked on CPU; on CUDA such inputs give unspecified rows and state but never an access
+    out of bounds (the kernel leaves such a request's slot alone and zeroes its rows).
+    Inference only.
     """
     return torch.ops.csa.compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots,
                                            kv_state, score_state, ratio, coff, total_comp)

@@ -10,7 +10,6 @@ import contextlib
 import contextvars
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 OP = "csa.compressor"
 BACKWARD_OP = "csa.compressor_backward"
@@ -19,9 +18,13 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INT32_MAX = 2**31 - 1
 
 
-def _definitely(condition) -> bool:
+def definitely(condition) -> bool:
     """True only when ``condition`` is provable; symbolic sizes get no guard (so export with
     an unbounded Dim works), and concrete sizes are checked exactly when the kernel runs."""
+    if isinstance(condition, bool):  # concrete sizes: no need to import sympy (~0.4 s)
+        return condition
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return statically_known_true(condition)
 
 
@@ -81,10 +84,12 @@ def check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, to
     if tuple(ape.shape) != (ratio, width):
         _fail(f"`ape` must have shape (ratio, coff*head_dim) = ({ratio}, {width}), "
               f"got {tuple(ape.shape)}")
-    allowed_ape = (torch.float32, torch.float64) if kv.dtype == torch.float64 else (torch.float32,)
-    if ape.dtype not in allowed_ape:
-        _fail(f"`ape` must be float32{' or float64' if len(allowed_ape) == 2 else ''}, "
-              f"got {ape.dtype}")
+    # Added to the logits in the accumulation dtype, so any float ape that converts to it
+    # exactly (a model cast to bf16 makes ape bf16); fp64 ape only where the math is fp64.
+    fp64 = kv.dtype == torch.float64
+    if ape.dtype not in (FLOAT_DTYPES if fp64 else FLOAT_DTYPES[:3]):
+        expected = "float32, float64" if fp64 else "float32 (float64 only with float64 `kv`)"
+        _fail(f"`ape` must be one of bfloat16, float16, {expected}, got {ape.dtype}")
     _check_same_device("ape", ape, kv)
     _check_offsets_tensor("cu_seqlens", cu_seqlens, kv)
     _check_offsets_tensor("cu_seqlens_comp", cu_seqlens_comp, kv)
@@ -92,11 +97,11 @@ def check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, to
         _fail(f"`cu_seqlens` and `cu_seqlens_comp` must have the same length B+1, got "
               f"{cu_seqlens.shape[0]} and {cu_seqlens_comp.shape[0]}")
     if total_comp is not None:
-        if _definitely(total_comp < 0):
+        if definitely(total_comp < 0):
             _fail(f"`total_comp` must be >= 0 or None, got {total_comp}")
-        if _definitely(total_comp * head_dim > INT32_MAX):
+        if definitely(total_comp * head_dim > INT32_MAX):
             _fail(f"`total_comp` * head_dim = {total_comp * head_dim} overflows int32 offsets")
-    if _definitely(kv.shape[0] * width > INT32_MAX):
+    if definitely(kv.shape[0] * width > INT32_MAX):
         _fail(f"`kv` has {kv.shape[0] * width} elements, which overflows int32 offsets "
               f"(at most {INT32_MAX})")
     return head_dim
@@ -110,7 +115,7 @@ def check_grad_out(grad_out, kv, head_dim: int) -> None:
     if grad_out.dtype != kv.dtype:
         _fail(f"`grad_out` must have the dtype of `kv` ({kv.dtype}), got {grad_out.dtype}")
     _check_same_device("grad_out", grad_out, kv)
-    if _definitely(grad_out.shape[0] * head_dim > INT32_MAX):
+    if definitely(grad_out.shape[0] * head_dim > INT32_MAX):
         _fail(f"`grad_out` has {grad_out.shape[0] * head_dim} elements, which overflows int32")
 
 

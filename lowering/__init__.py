@@ -4,7 +4,8 @@
 environment variable CSA_OPS_LOWERING) picks the path; see ``policy``. The integration uses
 Inductor internals, so it is registered only for torch 2.11 to 2.13 and can be switched off
 with CSA_OPS_LOWERING_DISABLE=1; without it the op compiles as an opaque extern call.
-``available`` says whether it is registered.
+``available`` says whether it is registered. ``import csa_ops`` does not import this package
+(it imports Inductor); the fake kernels import it when a trace first meets the op.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import types
 import warnings
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import policy
 from .policy import MODES, get_mode, set_mode
@@ -37,13 +39,37 @@ def _register() -> bool:
                       stacklevel=2)
         return False
     policy.init_from_env()
-    from . import _wiring
-
-    _wiring.register()
+    # Usually imported from inside a fake kernel, under the trace's fake and proxy modes:
+    # nothing Inductor's modules run at import may be faked or recorded into the graph.
+    with _disable_current_modes():
+        try:
+            from . import _wiring
+        except ImportError as error:  # the op still compiles, as an opaque extern call
+            warnings.warn(f"csa_ops.lowering unavailable ({error}); torch.compile calls "
+                          "csa::compressor as an opaque op", stacklevel=2)
+            return False
+        _wiring.register()
+        _refresh_decomposition_table()
     return True
 
 
+def _refresh_decomposition_table() -> None:
+    """Inductor memoizes a copy of its decomposition table on its first compile; one made
+    before this registration would lack the total_comp=None decomposition."""
+    from torch._inductor import decomposition
+
+    memoized = getattr(decomposition, "fast_random_decomps", None)
+    if hasattr(memoized, "cache_clear"):
+        memoized.cache_clear()
+
+
 available = _register()
+
+
+def ensure_registered() -> bool:
+    """Whether the integration is registered; importing this package registers it, so the
+    fake kernels call this on every trace at the cost of an attribute lookup."""
+    return available
 
 
 class _PolicyModule(types.ModuleType):
@@ -60,4 +86,4 @@ class _PolicyModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _PolicyModule
 
-__all__ = ["MODES", "available", "get_mode", "mode", "set_mode"]
+__all__ = ["MODES", "available", "ensure_registered", "get_mode", "mode", "set_mode"]

@@ -5,7 +5,9 @@ in ``csa_ops.reference``'s exact expression order (bit-identical on CUDA under
 emulate_precision_casts where Inductor has mul_rn/div_rn; C++ exp may differ from ATen's by an
 ulp), so a following RMSNorm fuses into the same kernel; longer windows use Reduction IR (max,
 sum, weighted sum) and match within rounding. Nothing of window size (rows * W * d) is ever
-materialized: the backward keeps three (rows, d) statistics and recomputes each entry.
+materialized: the backward keeps three (rows, d) statistics and recomputes each entry. Inputs
+and outputs are rounded to their dtypes like eager tensors also where Inductor fuses a producer
+or consumer (``_rounded``): fusing adds or drops no rounding.
 """
 
 from __future__ import annotations
@@ -49,11 +51,35 @@ def _index(expr):
     return ops.index_expr(sympy.sympify(expr), I64)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _rounded(x, dtype, device: torch.device):
+    """x as a ``dtype`` value that stays rounded when Inductor fuses a consumer. A plain
+    to_dtype to bf16/fp16 does not: Triton computes it in fp32, and the C++ backend answers the
+    consumer's upcast from its CSE cache with the unrounded x. A store-type cast
+    (use_compute_types=False) rounds and is not cached, as in emulate_precision_casts."""
+    if dtype not in LOW_PRECISION:
+        return ops.to_dtype(x, dtype)
+    stored = ops.to_dtype(x, dtype, use_compute_types=False)
+    if device.type == "cpu":
+        # C++ keeps it a bf16/fp16 value; a second to_dtype would be merged into this one.
+        return stored
+    return ops.to_dtype(stored, dtype)  # back to Triton's compute type, still rounded
+
+
+def _acc_loader(buffer, acc):
+    """Loader of buffer's elements in acc. Each is rounded to the buffer's dtype first: a fused
+    producer may hand over its wider value, but the op's inputs are rounded tensors."""
+    load, dtype, device = buffer.make_loader(), buffer.get_dtype(), buffer.get_device()
+    return lambda index: ops.to_dtype(_rounded(load(index), dtype, device), acc)
+
+
 @dataclass
 class Problem:
     """Loaders, sizes and the specialised ints of one call, in lowering form."""
 
-    kv: object
+    kv: object         # kv, score, ape load in acc
     score: object
     ape: object
     cu: object
@@ -66,6 +92,7 @@ class Problem:
     device: torch.device
     dtype: torch.dtype
     acc: torch.dtype
+    ape_dtype: torch.dtype
 
     @property
     def window(self) -> int:
@@ -79,12 +106,13 @@ class Problem:
 def make_problem(kv, score, ape, cu, cuc, ratio: int, coff: int) -> Problem:
     tokens, width = kv.get_size()
     dtype = kv.get_dtype()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
     return Problem(
-        kv=kv.make_loader(), score=score.make_loader(), ape=ape.make_loader(),
+        kv=_acc_loader(kv, acc), score=_acc_loader(score, acc), ape=_acc_loader(ape, acc),
         cu=cu.make_loader(), cuc=cuc.make_loader(), ratio=ratio, coff=coff,
         head_dim=V.graph.sizevars.simplify(FloorDiv(sympy.sympify(width), coff)),
         tokens=tokens, segments=cu.get_size()[0] - 1, device=kv.get_device(), dtype=dtype,
-        acc=torch.float64 if dtype == torch.float64 else torch.float32,
+        acc=acc, ape_dtype=ape.get_dtype(),
     )
 
 
@@ -179,10 +207,9 @@ def entry(p: Problem, row: Row, krow, half, j):
     t = ops.indirect_indexing(ops.where(valid, token, _const(0)), p.tokens, check=False,
                               wrap_neg=False)
     col = half * p.head_dim + j
-    logit = ops.add(ops.to_dtype(p.score([t, col]), p.acc),
-                    ops.to_dtype(p.ape([krow, col]), p.acc))
+    logit = ops.add(p.score([t, col]), p.ape([krow, col]))
     logit = ops.where(valid, logit, ops.constant(float("-inf"), p.acc))
-    value = ops.where(valid, ops.to_dtype(p.kv([t, col]), p.acc), ops.constant(0.0, p.acc))
+    value = ops.where(valid, p.kv([t, col]), ops.constant(0.0, p.acc))
     return logit, value, valid
 
 
@@ -258,15 +285,15 @@ def forward(p: Problem, rows):
         def inner(idx):
             row, _, _, probs, values = _unrolled_window(p, row_seg, *idx)
             out = ops.where(row.valid, _sequential_dot(probs, values), ops.constant(0.0, p.acc))
-            return ops.to_dtype(out, p.dtype)
+            return _rounded(out, p.dtype, p.device)
     else:
         _, _, prob_value = _reduced_stats(p, row_seg, rows)
         out_acc = _reduce(p, rows, lambda idx, ridx: _mul(*prob_value(idx, ridx)), "sum")
 
         def inner(idx):
             row = row_of(p, row_seg, idx[0])
-            return ops.to_dtype(ops.where(row.valid, out_acc(idx), ops.constant(0.0, p.acc)),
-                                p.dtype)
+            return _rounded(ops.where(row.valid, out_acc(idx), ops.constant(0.0, p.acc)),
+                            p.dtype, p.device)
     return ir.Pointwise.create(device=p.device, dtype=p.dtype, inner_fn=inner,
                                ranges=[rows, p.head_dim])
 
@@ -283,11 +310,7 @@ def _realized(p: Problem, rows, inner):
 
 
 def _backward_stats(p: Problem, row_seg, rows, grad):
-    """Loaders of m, s and dot = sum_k (g*v_k)*p_k per (row, column)."""
-
-    def g_of(idx):
-        return ops.to_dtype(grad(idx), p.acc)
-
+    """Loaders of m, s and dot = sum_k (g*v_k)*p_k per (row, column); grad loads in acc."""
     if p.unrolled:
         def stat(which):
             def inner(idx):
@@ -296,7 +319,7 @@ def _backward_stats(p: Problem, row_seg, rows, grad):
                     return m
                 if which == "s":
                     return total
-                g = g_of(idx)
+                g = grad(idx)
                 return _sequential_dot([_mul(g, v) for v in values], probs)
             return _realized(p, rows, inner)
 
@@ -305,7 +328,7 @@ def _backward_stats(p: Problem, row_seg, rows, grad):
 
     def dot_term(idx, ridx):
         prob, value = prob_value(idx, ridx)
-        return _mul(_mul(g_of(idx), value), prob)
+        return _mul(_mul(grad(idx), value), prob)
 
     return m, s, _reduce(p, rows, dot_term, "sum")
 
@@ -314,7 +337,7 @@ def _grad_entry(p: Problem, stats, grad, n, j, logit, value):
     """(grad of value, grad of logit) of one window entry, in the reference's order."""
     m, s, dot = stats
     prob = _div(ops.exp(ops.sub(logit, m([n, j]))), s([n, j]))
-    g = ops.to_dtype(grad([n, j]), p.acc)
+    g = grad([n, j])
     grad_logit = ops.mul(prob, ops.sub(_mul(g, value), dot([n, j])))
     return ops.mul(prob, g), grad_logit
 
@@ -352,12 +375,11 @@ def _token_grads(p: Problem, stats, grad, rows):
                                             wrap_neg=False)
                 kr = ops.indirect_indexing(krow, p.ratio, check=False, wrap_neg=False)
                 j = ModularIndexing(c, 1, p.head_dim) if p.coff == 2 else c
-                logit = ops.add(ops.to_dtype(p.score([t, c]), p.acc),
-                                ops.to_dtype(p.ape([kr, c]), p.acc))
-                value = ops.to_dtype(p.kv([t, c]), p.acc)
+                logit = ops.add(p.score([t, c]), p.ape([kr, c]))
+                value = p.kv([t, c])
                 return _grad_entry(p, stats, grad, row, j, logit, value)[which]
 
-            return ops.to_dtype(ops.masked(consumer(idx)[0], grads, 0.0), p.dtype)
+            return _rounded(ops.masked(consumer(idx)[0], grads, 0.0), p.dtype, p.device)
 
         return ir.Pointwise.create(device=p.device, dtype=p.dtype, inner_fn=inner,
                                    ranges=[p.tokens, p.coff * p.head_dim])
@@ -365,7 +387,7 @@ def _token_grads(p: Problem, stats, grad, rows):
     return make(0), make(1)
 
 
-def _grad_ape(p: Problem, stats, grad, row_seg, rows, ape_dtype):
+def _grad_ape(p: Problem, stats, grad, row_seg, rows):
     """Sum over rows of each entry's logit gradient (fixed-order reduction, no atomics)."""
     width = p.coff * p.head_dim
 
@@ -383,23 +405,24 @@ def _grad_ape(p: Problem, stats, grad, row_seg, rows, ape_dtype):
                                 inner_fn=inner, ranges=[p.ratio, width], reduction_ranges=[rows],
                                 reduction_type="sum")
     total.realize()
-    if ape_dtype == p.acc:
+    if p.ape_dtype == p.acc:
         return total
     loader = total.make_loader()
-    return ir.Pointwise.create(device=p.device, dtype=ape_dtype,
-                               inner_fn=lambda idx: ops.to_dtype(loader(idx), ape_dtype),
+    # Reduced in acc, rounded once to ape's dtype (bf16 after a model.to(torch.bfloat16)).
+    return ir.Pointwise.create(device=p.device, dtype=p.ape_dtype,
+                               inner_fn=lambda idx: _rounded(loader(idx), p.ape_dtype, p.device),
                                ranges=[p.ratio, width])
 
 
-def backward(p: Problem, grad_out, ape_dtype):
+def backward(p: Problem, grad_out):
     """(grad_kv, grad_score, grad_ape) with the shapes and dtypes of the inputs."""
     rows = grad_out.get_size()[0]
     width = p.coff * p.head_dim
     if is_empty(p, rows):
         return (zeros(p, [p.tokens, width], p.dtype), zeros(p, [p.tokens, width], p.dtype),
-                zeros(p, [p.ratio, width], ape_dtype))
-    grad = grad_out.make_loader()
+                zeros(p, [p.ratio, width], p.ape_dtype))
+    grad = _acc_loader(grad_out, p.acc)
     row_seg = _segment_map(p, p.cuc, rows)
     stats = _backward_stats(p, row_seg, rows, grad)
     grad_kv, grad_score = _token_grads(p, stats, grad, rows)
-    return grad_kv, grad_score, _grad_ape(p, stats, grad, row_seg, rows, ape_dtype)
+    return grad_kv, grad_score, _grad_ape(p, stats, grad, row_seg, rows)

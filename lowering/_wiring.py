@@ -73,8 +73,7 @@ def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
     if path == "extern":
         return _extern(BWD, *args)
     return _generate_or_fall_back(BWD, lambda: _generate.backward(
-        _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff), grad_out,
-        ape.get_dtype()), args)
+        _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff), grad_out), args)
 
 
 def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):

@@ -3,8 +3,8 @@
 ``mode`` is "auto" (default), "extern" (always call the opaque op) or "generate" (always emit
 Inductor kernels); the environment variable CSA_OPS_LOWERING sets the initial value.
 "auto" calls the hand-written CUDA kernel wherever ``csa_ops.host`` supports the
-configuration, except where measurement showed generated code to win, and generates
-everywhere else. Changing the mode retags Inductor's on-disk caches and resets
+configuration and generates everywhere else: eager runs that kernel, and compiled code must
+give eager's bits (SPEC 3), which generated code cannot promise where the kernel runs. Changing the mode retags Inductor's on-disk caches and resets
 torch.compile's in-process caches, so no code generated under another mode is reused.
 """
 
@@ -103,34 +103,12 @@ def choose(direction: str, device: torch.device, dtype: torch.dtype, ratio: int,
     """"extern" or "generate" for one call of ``direction`` ("fwd"/"bwd").
 
     head_dim may be a callable returning the int (it can cost a shape guard, so it is only
-    evaluated when the answer depends on it). num_tokens is the static token count, None
-    when it is dynamic (then treated as large)."""
+    evaluated when the answer depends on it). num_tokens, the static token count (None when
+    dynamic), is accepted for rules that depend on size; the current rule does not."""
     mode = _state["mode"]
     if mode != "auto":
         return mode
     if device.type != "cuda":
         return "generate"
     hd = head_dim() if callable(head_dim) else head_dim
-    if not extern_kernel_supports(device, dtype, ratio, coff, hd):
-        return "generate"
-    if direction == "fwd" and generated_forward_wins(ratio, coff, hd, num_tokens):
-        return "generate"
-    return "extern"
-
-
-# Where the generated forward beat the hand-written one (H200, bf16, CUDA-graph replay,
-# bench/README.md): short windows on small problems, where one Triton kernel's launch and
-# latency win; the hand-written kernel wins on large problems (1x65536 d512 r4c2: 81.8 us
-# against 106.5 us) and Inductor's fused RMSNorm over a wide head_dim lost 3x (3x8192 d512:
-# 144 us against 44 us for the kernel plus a separate RMSNorm). The generated backward lost
-# everywhere measured (3.2-4.2x), so backward never generates where the kernel runs.
-GENERATE_WINDOW_MAX = 16
-GENERATE_HEAD_DIM_MAX = 128
-GENERATE_TOKENS_MAX = 8192
-
-
-def generated_forward_wins(ratio: int, coff: int, head_dim: int, num_tokens: int | None) -> bool:
-    """1x8192 tokens, d128: generated 5.22 us against 6.75 us (r4c2) and 3.51 against 4.29
-    (r4c1); 3x8192 d128 r4c2 was a tie (13.0 against 12.5), so larger counts go extern."""
-    return (coff * ratio <= GENERATE_WINDOW_MAX and head_dim <= GENERATE_HEAD_DIM_MAX
-            and num_tokens is not None and num_tokens <= GENERATE_TOKENS_MAX)
+    return "extern" if extern_kernel_supports(device, dtype, ratio, coff, hd) else "generate"

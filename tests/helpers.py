@@ -1,15 +1,14 @@
-"""Shared test utilities: pack builders and an independent eager model of the op.
+"""Shared test utilities: pack builders and the eager region, the op's comparator.
 
-`eager_compressor` is written from SPEC section 1 alone (per-segment block views,
-`torch.softmax`, autograd for the backward); it shares no code with csa_ops.reference,
-so agreement between the two is evidence, not tautology. No expecttest import here: the
-GPU machine lacks it.
+`eager_region` is SPEC section 3's formula as models write it (gathered windows,
+`torch.softmax`, a weighted sum, autograd for the backward), run on its inputs' device; it
+shares no code with csa_ops.reference, so agreement between the two is evidence, not
+tautology. No expecttest import here: the GPU machine lacks it.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import itertools
 import math
@@ -143,47 +142,56 @@ MATRIX = (
 )
 
 
-def eager_compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
-                     total_comp=None):
-    """SPEC section 1 written directly: per segment, (blocks, window, d) logits and values,
-    torch.softmax over the window, weighted sum. Differentiable through autograd."""
+def _window_tokens(cu_seqlens, ratio: int, coff: int):
+    """(rows, W) token of every window entry and whether the entry is real (SPEC 1). Row of
+    block b of a segment, t0 = its first token: tokens t0 + k (coff 1), or t0 - ratio + k
+    (coff 2: entries k < ratio are the previous block, which a segment's first block lacks)."""
+    starts = [torch.zeros(0, dtype=torch.int64)]
+    first = [torch.zeros(0, dtype=torch.bool)]
+    for start, end in itertools.pairwise(int(x) for x in cu_seqlens.tolist()):
+        blocks = torch.arange((end - start) // ratio)
+        starts.append(start + blocks * ratio)
+        first.append(blocks == 0)
+    t0, first = torch.cat(starts), torch.cat(first)
+    k = torch.arange(coff * ratio)
+    if coff == 1:
+        return t0[:, None] + k, torch.ones(t0.shape[0], ratio, dtype=torch.bool)
+    return t0[:, None] - ratio + k, ~(first[:, None] & (k < ratio))
+
+
+def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
+                 total_comp=None):
+    """SPEC 3: kvg, sg = the gathered (rows, W, d) windows in fp32 (fp64 for fp64 kv), sg =
+    score upcast + ape upcast, -inf/0 where a segment's first block has no previous block;
+    w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1), padding rows zero, rounded once to
+    kv's dtype. Differentiable: the backward is torch autograd of this expression."""
     acc = torch.float64 if kv.dtype == torch.float64 else torch.float32
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    true_rows = int(cu_seqlens_comp[-1])
     head_dim = kv.shape[1] // coff
-    ape_halves = ape.to(acc).reshape(ratio, coff, head_dim)
-    rows = []
-    for start, end in itertools.pairwise(cu):
-        blocks = (end - start) // ratio
-        if blocks == 0:
-            continue
-        take = slice(start, start + blocks * ratio)
-        kv_blocks = kv[take].to(acc).reshape(blocks, ratio, coff, head_dim)
-        score_blocks = score[take].to(acc).reshape(blocks, ratio, coff, head_dim)
-        # The own block's tokens sit in the last coff-half of the columns.
-        logits = score_blocks[:, :, -1] + ape_halves[:, -1]
-        values = kv_blocks[:, :, -1]
-        if coff == 2:
-            # Block b also sees block b-1's first half; block 0 sees constants instead.
-            no_logit = torch.full((1, ratio, head_dim), float("-inf"), dtype=acc,
-                                  device=kv.device)
-            no_value = torch.zeros((1, ratio, head_dim), dtype=acc, device=kv.device)
-            prev_logits = torch.cat([no_logit, score_blocks[:-1, :, 0] + ape_halves[:, 0]])
-            prev_values = torch.cat([no_value, kv_blocks[:-1, :, 0]])
-            logits = torch.cat([prev_logits, logits], dim=1)
-            values = torch.cat([prev_values, values], dim=1)
-        rows.append((torch.softmax(logits, dim=1) * values).sum(dim=1))
-    # An empty slice of kv keeps the graph connected when no segment has a block.
-    out = torch.cat(rows) if rows else kv[:0, :head_dim].to(acc)
-    if out.shape[0] != true_rows:
-        raise AssertionError(f"test pack inconsistent: {out.shape[0]} rows, cuc[-1]={true_rows}")
+    token, valid = (t.to(kv.device) for t in _window_tokens(cu_seqlens, ratio, coff))
+    true_rows = int(cu_seqlens_comp[-1])
+    if token.shape[0] != true_rows:
+        raise AssertionError(f"test pack inconsistent: {token.shape[0]} rows, cuc[-1]={true_rows}")
+    k = torch.arange(coff * ratio, device=kv.device)
+    half = k // ratio  # which coff-half of the columns entry k reads
+    token = token.clamp(min=0)  # the entries this moves are masked below
+
+    def gather(x):
+        return x.reshape(x.shape[0], coff, head_dim)[token, half].to(acc)
+
+    ape_w = ape.to(acc).reshape(ratio, coff, head_dim)[k % ratio, half]
+    real = valid[:, :, None]
+    sg = torch.where(real, gather(score) + ape_w, float("-inf"))
+    kvg = torch.where(real, gather(kv), 0.0)
+    w = torch.softmax(sg, dim=1)
+    out = (kvg * w).sum(dim=1)
     if total_comp is not None:
         out = torch.cat([out, out.new_zeros(total_comp - true_rows, head_dim)])
     return out.to(kv.dtype)
 
 
 def eager_forward_backward(pack: Pack, grad_out, total_comp="capacity", dtype=None):
-    """(out, grad_kv, grad_score, grad_ape) of eager_compressor; optionally upcast inputs."""
+    """(out, grad_kv, grad_score, grad_ape) of eager_region (grad_out upcast to fp32 by the
+    autograd of its final cast, grads in the inputs' dtypes); optionally upcast inputs."""
     leaves = [t.detach().clone() for t in (pack.kv, pack.score, pack.ape)]
     if dtype is not None:
         leaves = [t.to(dtype) for t in leaves]
@@ -191,8 +199,7 @@ def eager_forward_backward(pack: Pack, grad_out, total_comp="capacity", dtype=No
     for leaf in leaves:
         leaf.requires_grad_(True)
     tc = pack.spec.capacity if total_comp == "capacity" else total_comp
-    out = eager_compressor(*leaves, pack.cu_seqlens, pack.cu_seqlens_comp, pack.ratio, pack.coff,
-                           tc)
+    out = eager_region(*leaves, pack.cu_seqlens, pack.cu_seqlens_comp, pack.ratio, pack.coff, tc)
     grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True, materialize_grads=True)
     return (out.detach(), *grads)
 
@@ -206,6 +213,52 @@ def op_forward_backward(pack: Pack, grad_out, total_comp="capacity"):
     grads = torch.autograd.grad(out, (kv, score, ape), grad_out, allow_unused=True,
                                 materialize_grads=True)
     return (out.detach(), *grads)
+
+
+def cast_op_upcast(kv, score, ape, cu, cuc, ratio, coff, total_comp, dtype):
+    """fp32 leaves cast to ``dtype`` (producers Inductor fuses into the op's loads), the op,
+    an upcasting consumer; the casts' backward upcasts the op's gradients the same way. An
+    elementwise consumer: a reduction would add Inductor's own summation order."""
+    out = torch.ops.csa.compressor(kv.to(dtype), score.to(dtype), ape.to(dtype), cu, cuc, ratio,
+                                   coff, total_comp)
+    return out.float().square()
+
+
+def consumed_step(fn, pack, dtype):
+    """The consumer's output and the fp32 leaves' gradients for a fixed probe."""
+    leaves = [t.float().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape)]
+    y = fn(*leaves, *pack.args()[3:], dtype)
+    probe = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.device)
+    return (y.detach(), *torch.autograd.grad(y, leaves, probe))
+
+
+def assert_rounded_once(y, grads, dtype):
+    """Values the consumers saw are values of ``dtype``: y = x^2 of a ``dtype`` x is exact in
+    fp32, so its root is x again; the upcast gradients round-trip through ``dtype``."""
+    root = y.sqrt()
+    assert_bitwise_equal(root.to(dtype).float(), root, "consumer of the output")
+    for name, grad in zip(("grad_kv", "grad_score", "grad_ape"), grads):
+        assert_bitwise_equal(grad.to(dtype).float(), grad, f"consumer of {name}")
+
+
+def train_block(model, fn, x, cu_seqlens, cu_seqlens_comp, total_comp, steps=3, lr=0.1):
+    """(loss per step, final parameters) of SGD on sum(y * probe) for y = fn(x, ...), fn the
+    block itself or a compiled one; a fixed probe, not sum(y^2) (RMSNorm rows have nearly
+    constant norm, so that loss's gradient through the op would be rounding noise)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(7)
+    probe, losses = None, []
+    for _ in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()  # a no-op unless fn replays CUDA graphs
+        optimizer.zero_grad()
+        y = fn(x, cu_seqlens, cu_seqlens_comp, total_comp)
+        if probe is None:
+            probe = torch.randn(y.shape, generator=generator).to(y.device)
+        loss = (y.float() * probe).sum()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def window(pack_or_spec) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -142,3 +143,59 @@ def test_merge_joins_runs_of_one_stack_only(bench_run, tmp_path):
     cmd[3] = str(tmp_path / "other.json")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
     assert done.returncode != 0 and "differ in ['torch']" in done.stderr
+
+
+def test_without_matplotlib_writes_json_and_markdown(tmp_path):
+    """The bench extra is optional: without matplotlib the run succeeds and skips the plot."""
+    argv = [str(BENCH / "bench_compressor.py"), "--device", "cpu", "--shapes", "r4c2_2x64_d128",
+            "--variants", "eager ref fwd", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)]
+    script = ("import runpy, sys\n"
+              "sys.modules['matplotlib'] = None  # import matplotlib raises ImportError\n"
+              f"sys.argv = {argv!r}\n"
+              f"runpy.run_path({argv[0]!r}, run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "skipped the plot" in done.stdout
+    assert _rows(tmp_path) and (tmp_path / "results.md").read_text().strip()
+    assert not (tmp_path / "results.png").exists()
+
+
+@pytest.fixture(scope="module")
+def time_kernels():
+    """bench/time_kernels.py, imported the way the script imports its neighbours."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import time_kernels as module
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class _Knobs:
+    pdl: int = 1
+    linear: int = 1
+
+
+def _knob(knobs, name):
+    return getattr(knobs, name) if dataclasses.is_dataclass(knobs) else dict(knobs)[name]
+
+
+@pytest.mark.parametrize("knobs", [_Knobs(), (("linear", 0),)], ids=["dataclass", "pairs"])
+def test_knob_variants_apply_known_names_and_reject_others(time_kernels, knobs):
+    applied = time_kernels.with_knobs(knobs, "pdl=0,linear=1")
+    assert (_knob(applied, "pdl"), _knob(applied, "linear")) == (0, 1)
+    with pytest.raises(ValueError, match="unknown knob pdll"):
+        time_kernels.with_knobs(knobs, "pdll=0")
+    with pytest.raises(ValueError, match="name=int"):
+        time_kernels.with_knobs(knobs, "pdl")
+
+
+def test_knob_variants_fit_the_window_family(time_kernels):
+    from csa_ops import host
+
+    base = host.select_key(4, 2, 128, "bfloat16", "sm_90a", False)
+    assert base.family == "window"
+    applied = time_kernels.with_knobs(base.knobs, "pdl=0,linear=0")
+    assert (_knob(applied, "pdl"), _knob(applied, "linear")) == (0, 0)

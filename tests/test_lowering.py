@@ -4,6 +4,7 @@ graphs and of a digest of the generated code."""
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import os
 import re
@@ -15,8 +16,22 @@ import expecttest
 import pytest
 import torch
 import torch._dynamo.testing
-from helpers import (EPS, PackSpec, make_pack, offsets, spec_params, sum_tolerance, ulp,
-                     use_lowering_mode, window)
+from helpers import (
+    EPS,
+    PackSpec,
+    assert_bitwise_equal,
+    assert_rounded_once,
+    cast_op_upcast,
+    consumed_step,
+    make_pack,
+    offsets,
+    spec_params,
+    sum_tolerance,
+    train_block,
+    ulp,
+    use_lowering_mode,
+    window,
+)
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import csa_ops
@@ -90,21 +105,20 @@ def test_mode_validates_and_retags_caches():
         assert lowering.mode == "extern"
 
 
-@pytest.mark.parametrize(("ratio", "coff", "head_dim", "tokens", "wins"), [
-    (4, 2, 128, 8192, True), (4, 1, 128, 8192, True), (8, 2, 64, 100, True),
-    (4, 2, 128, 8193, False), (4, 2, 128, None, False), (4, 2, 256, 8192, False),
-    (16, 2, 128, 8192, False), (128, 1, 128, 8192, False)])
-def test_auto_forward_rule_on_a_supported_gpu(monkeypatch, ratio, coff, head_dim, tokens, wins):
-    # A pretend GPU where the CuTe kernels run everything: only the measured rule decides.
-    monkeypatch.setattr(lowering.policy, "extern_kernel_supports", lambda *args: True)
+@pytest.mark.parametrize(("ratio", "coff", "head_dim", "tokens"), [
+    (4, 2, 128, 8192), (4, 1, 128, 8192), (8, 2, 64, 100), (4, 2, 128, None),
+    (128, 1, 128, 8192)])
+def test_auto_calls_the_kernel_wherever_it_runs(monkeypatch, ratio, coff, head_dim, tokens):
+    # Eager runs the CuTe kernel there, and compiled code must give eager's bits (SPEC 3).
     gpu = torch.device("cuda", 0)
-    with use_lowering_mode("auto"):
-        forward = lowering.policy.choose("fwd", gpu, torch.bfloat16, ratio, coff, head_dim,
-                                         tokens)
-        backward = lowering.policy.choose("bwd", gpu, torch.bfloat16, ratio, coff, head_dim,
-                                          tokens)
-    assert forward == ("generate" if wins else "extern")
-    assert backward == "extern"
+    for supported, expected in ((True, "extern"), (False, "generate")):
+        monkeypatch.setattr(lowering.policy, "extern_kernel_supports",
+                            lambda *args, s=supported: s)
+        with use_lowering_mode("auto"):
+            for direction in ("fwd", "bwd"):
+                path = lowering.policy.choose(direction, gpu, torch.bfloat16, ratio, coff,
+                                              head_dim, tokens)
+                assert path == expected
 
 
 def test_auto_generates_on_cpu_and_explicit_modes_win():
@@ -217,6 +231,34 @@ def test_strided_inputs(mode, compile_env):
 
 
 # ---------------------------------------------------------------------------------------
+# Compiling keeps the op's rounding (SPEC 3)
+
+
+ROUNDING_CASES = [
+    pytest.param(PackSpec((13, 0, 9, 2, 20), 4, 2, 32, extra_tokens=2, extra_rows=3),
+                 torch.bfloat16, id="r4_c2_d32_bf16"),
+    pytest.param(PackSpec((21, 3, 0, 8), 2, 2, 65, extra_rows=1), torch.float16,
+                 id="r2_c2_d65_fp16"),
+    pytest.param(PackSpec((70, 0, 33), 16, 2, 16, extra_tokens=1, extra_rows=2), torch.bfloat16,
+                 id="r16_c2_d16_bf16_reduction"),
+]
+
+
+@pytest.mark.parametrize("mode", ["extern", "generate", "auto"])
+@pytest.mark.parametrize(("spec", "dtype"), ROUNDING_CASES)
+def test_compiled_consumers_see_the_rounded_output(spec, dtype, mode, compile_env):
+    """Fused or not, the op's output and gradients are rounded to their dtype exactly once:
+    compiled equals eager bitwise, forward and gradients, in every mode."""
+    pack = make_pack(spec, dtype, ape_dtype=dtype)
+    expected = consumed_step(cast_op_upcast, pack, dtype)
+    with use_lowering_mode(mode):
+        actual = consumed_step(torch.compile(cast_op_upcast, fullgraph=True), pack, dtype)
+    assert_rounded_once(actual[0], actual[1:], dtype)
+    for name, a, e in zip(("consumer", "grad_kv", "grad_score", "grad_ape"), actual, expected):
+        assert_bitwise_equal(a, e, name)
+
+
+# ---------------------------------------------------------------------------------------
 # The Compressor block (linears, op, RMSNorm) through autograd in each mode
 
 
@@ -265,6 +307,29 @@ def test_compressor_block_modes(mode, compile_env):
     assert len(_kernels(bwd_code)) == 1
     _assert_no_window_buffer(fwd_code, rows, MODULE_SPEC)
     _assert_no_window_buffer(bwd_code, rows, MODULE_SPEC)
+
+
+@pytest.mark.parametrize("mode", ["extern", "generate", "auto"])
+def test_bf16_converted_block_trains_like_eager(mode, compile_env):
+    """model.to(torch.bfloat16) makes ape bf16 too. Compiled training steps equal eager's
+    bitwise through the extern op; generated C++ takes Sleef's exp where ATen takes MKL's
+    (an fp32 last bit, rarely a bf16 one), so there within bf16 tolerance."""
+    module, x, cu, cuc = _module_and_inputs()
+    module, x = module.to(torch.bfloat16), x.to(torch.bfloat16)
+    assert module.ape.dtype == torch.bfloat16
+    eager_model, compiled_model = copy.deepcopy(module), copy.deepcopy(module)
+    expected = train_block(eager_model, eager_model, x, cu, cuc, MODULE_SPEC.capacity)
+    with use_lowering_mode(mode):
+        actual = train_block(compiled_model, torch.compile(compiled_model, fullgraph=True), x,
+                             cu, cuc, MODULE_SPEC.capacity)
+    assert compiled_model.ape.grad.dtype == torch.bfloat16
+    (losses, params), (eager_losses, eager_params) = actual, expected
+    for name, value in [("loss", losses), *params.items()]:
+        want = eager_losses if name == "loss" else eager_params[name]
+        if mode == "extern":
+            assert_bitwise_equal(value, want, name)
+        else:
+            torch.testing.assert_close(value, want, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_data_dependent_rows_and_dynamic_shapes(compile_env):
@@ -404,12 +469,13 @@ buffer (64, 16) float32
 buffer (46, 16) float32""")
 
 
-def test_bf16_rmsnorm_fusion_matches_eager_with_emulated_casts(compile_env):
-    """Fused, Inductor skips the bf16 rounding between the op and RMSNorm; with
-    emulate_precision_casts the compiled block equals eager to one bf16 step."""
+def test_bf16_rmsnorm_fusion_matches_eager(compile_env):
+    """Fused with the RMSNorm, the op's output still goes in rounded to bf16 (no
+    emulate_precision_casts needed): the compiled block equals eager to one bf16 step (the
+    RMSNorm's own reduction order)."""
     module, x, cu, cuc = _module_and_inputs(dtype=torch.bfloat16)
     eager = module(x, cu, cuc, MODULE_SPEC.capacity)
-    with use_lowering_mode("generate"), torch._inductor.config.patch(emulate_precision_casts=True):
+    with use_lowering_mode("generate"):
         compiled = torch.compile(module, fullgraph=True)(x, cu, cuc, MODULE_SPEC.capacity)
     err = (compiled.double() - eager.double()).abs()
     assert bool((err <= ulp(eager, torch.bfloat16) + 4 * EPS[torch.float32]).all())
@@ -417,7 +483,6 @@ def test_bf16_rmsnorm_fusion_matches_eager_with_emulated_casts(compile_env):
 
 def test_static_token_counts_never_guard():
     import sympy
-
     from csa_ops.lowering._wiring import _static_tokens
 
     assert _static_tokens(sympy.Integer(8192)) == 8192 and _static_tokens(77) == 77

@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from helpers import (
     EPS,
     PackSpec,
-    eager_compressor,
+    eager_region,
     make_pack,
     op_forward_backward,
     sum_tolerance,
@@ -165,6 +165,8 @@ def test_compile_with_following_ops_and_bf16(lowering_mode, compile_env):
     pytest.param(torch.float16, torch.float32, id="fp16"),
     pytest.param(torch.float64, torch.float64, id="fp64_ape_fp64"),
     pytest.param(torch.float64, torch.float32, id="fp64_ape_fp32"),
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16_ape_bf16"),
+    pytest.param(torch.float32, torch.float16, id="fp32_ape_fp16"),
 ])
 @pytest.mark.parametrize("lowering_mode", ["generate"], indirect=True)
 def test_generated_code_for_every_accepted_dtype(dtype, ape_dtype, lowering_mode, compile_env):
@@ -227,8 +229,8 @@ def test_compressor_module_eager_compiled_reference(ratio, coff, total_comp, low
                                    msg=lambda m, n=name: f"{n}: {m}")
     # And the independent model agrees with the module's pooled rows.
     with torch.no_grad():
-        pooled = eager_compressor(module.wkv(x), module.wgate(x), module.ape, cu_seqlens,
-                                  cu_seqlens_comp, ratio, coff, total_comp)
+        pooled = eager_region(module.wkv(x), module.wgate(x), module.ape, cu_seqlens,
+                              cu_seqlens_comp, ratio, coff, total_comp)
         independent = torch.nn.functional.rms_norm(pooled, (16,), module.norm.weight,
                                                    module.norm.eps)
     torch.testing.assert_close(eager_out, independent, rtol=1e-5, atol=1e-5)

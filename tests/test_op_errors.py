@@ -69,9 +69,12 @@ FORWARD_CASES = {
     "ape_rows": (_call(ape=torch.zeros(SPEC.ratio + 1, WIDTH)), "ape"),
     "ape_width": (_call(ape=torch.zeros(SPEC.ratio, SPEC.head_dim)), "ape"),
     "ape_rank_1": (_call(ape=torch.zeros(SPEC.ratio * WIDTH)), "ape"),
-    "ape_dtype_bf16": (_call(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.bfloat16)), "ape"),
+    "ape_dtype_int": (_call(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.int32)), "ape"),
     "ape_fp64_with_fp32_kv": (_call(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.float64)),
                               "ape"),
+    "ape_dtype_int_fp64_kv": (_call(kv=torch.zeros(T, WIDTH, dtype=torch.float64),
+                                    score=torch.zeros(T, WIDTH, dtype=torch.float64),
+                                    ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.int64)), "ape"),
     "ape_device": (_call(ape=_meta(SPEC.ratio, WIDTH)), "ape"),
     "cu_dtype_int64": (_call(cu_seqlens=CU.long()), "cu_seqlens"),
     "cuc_dtype_int64": (_call(cu_seqlens_comp=CUC.long()), "cu_seqlens_comp"),
@@ -116,6 +119,8 @@ BACKWARD_CASES = {
     "grad_out_fewer_rows_than_true_count": (
         _call_backward(grad_out=torch.zeros(SPEC.true_rows - 1, SPEC.head_dim)), "grad_out"),
     "backward_kv_dtype": (_call_backward(kv=torch.zeros(T, WIDTH, dtype=torch.int64)), "kv"),
+    "backward_ape_dtype": (_call_backward(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.bool)),
+                           "ape"),
     "backward_ratio_zero": (_call_backward(ratio=0), "ratio"),
     "backward_cuc_not_len_over_ratio": (_call_backward(cu_seqlens_comp=_cu([0, 3, 3, 6])),
                                         "cu_seqlens_comp"),
@@ -161,8 +166,9 @@ score_device: ValueError: csa.compressor: `score` must be on the device of `kv` 
 ape_rows: ValueError: csa.compressor: `ape` must have shape (ratio, coff*head_dim) = (2, 6), got (3, 6)
 ape_width: ValueError: csa.compressor: `ape` must have shape (ratio, coff*head_dim) = (2, 6), got (2, 3)
 ape_rank_1: ValueError: csa.compressor: `ape` must have shape (ratio, coff*head_dim) = (2, 6), got (12,)
-ape_dtype_bf16: ValueError: csa.compressor: `ape` must be float32, got torch.bfloat16
-ape_fp64_with_fp32_kv: ValueError: csa.compressor: `ape` must be float32, got torch.float64
+ape_dtype_int: ValueError: csa.compressor: `ape` must be one of bfloat16, float16, float32 (float64 only with float64 `kv`), got torch.int32
+ape_fp64_with_fp32_kv: ValueError: csa.compressor: `ape` must be one of bfloat16, float16, float32 (float64 only with float64 `kv`), got torch.float64
+ape_dtype_int_fp64_kv: ValueError: csa.compressor: `ape` must be one of bfloat16, float16, float32, float64, got torch.int64
 ape_device: ValueError: csa.compressor: `ape` must be on the device of `kv` (cpu), got meta
 cu_dtype_int64: ValueError: csa.compressor: `cu_seqlens` must be int32, got torch.int64
 cuc_dtype_int64: ValueError: csa.compressor: `cu_seqlens_comp` must be int32, got torch.int64
@@ -200,6 +206,7 @@ grad_out_dtype: ValueError: csa.compressor_backward: `grad_out` must have the dt
 grad_out_device: ValueError: csa.compressor_backward: `grad_out` must be on the device of `kv` (cpu), got meta
 grad_out_fewer_rows_than_true_count: ValueError: csa.compressor_backward: `grad_out` row count = 4 is smaller than the true row count cu_seqlens_comp[-1] = 5
 backward_kv_dtype: ValueError: csa.compressor_backward: `kv` must be one of bfloat16, float16, float32, float64, got torch.int64
+backward_ape_dtype: ValueError: csa.compressor_backward: `ape` must be one of bfloat16, float16, float32 (float64 only with float64 `kv`), got torch.bool
 backward_ratio_zero: ValueError: csa.compressor_backward: `ratio` must be an int >= 1, got 0
 backward_cuc_not_len_over_ratio: ValueError: csa.compressor_backward: `cu_seqlens_comp` must count len // ratio rows per segment: segment 2 has 5 tokens, so 2 rows at ratio 2, got 3""")
 

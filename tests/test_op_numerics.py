@@ -6,6 +6,7 @@ window; bf16 reference within one bf16 rounding of an fp64 oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import hypothesis
@@ -17,8 +18,8 @@ from helpers import (
     MATRIX,
     PackSpec,
     assert_bitwise_equal,
-    eager_compressor,
     eager_forward_backward,
+    eager_region,
     make_pack,
     offsets,
     op_forward_backward,
@@ -94,8 +95,7 @@ def test_bf16_reference_within_one_rounding_of_fp64_oracle(spec):
 def test_library_oracle_agrees_with_independent_fp64(spec):
     pack = make_pack(spec, torch.bfloat16)
     oracle = reference.compressor_oracle(*pack.args())
-    independent = eager_compressor(*(t.double() for t in pack.tensors()[:3]),
-                                   *pack.args()[3:])
+    independent = eager_region(*(t.double() for t in pack.tensors()[:3]), *pack.args()[3:])
     torch.testing.assert_close(oracle, independent, rtol=0, atol=1e-12)
 
 
@@ -125,6 +125,31 @@ def test_fp64_inputs_accept_fp64_ape():
     assert actual[3].dtype == torch.float64
     for name, a, e in zip(NAMES, actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("ape_dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["ape_bf16", "ape_fp16", "ape_fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64],
+                         ids=["bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("spec", spec_params(MATRIX[2::4]))
+def test_ape_in_any_float_dtype(spec, dtype, ape_dtype):
+    """ape is added in fp32 (fp64 for fp64 kv): the same results as its exact upcast, with
+    grad_ape reduced in the accumulation dtype and rounded once to ape's dtype."""
+    pack = make_pack(spec, dtype, ape_dtype=ape_dtype)
+    grad_out = pack.grad_out()
+    actual = op_forward_backward(pack, grad_out)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    upcast = op_forward_backward(dataclasses.replace(pack, ape=pack.ape.to(acc)), grad_out)
+    assert actual[3].dtype == ape_dtype
+    for name, a, e in zip(NAMES[:3], actual, upcast):
+        assert_bitwise_equal(a, e, name)
+    assert_bitwise_equal(actual[3], upcast[3].to(ape_dtype), "grad_ape")
+    oracle = eager_forward_backward(pack, grad_out, dtype=torch.float64)[3]
+    rows = pack.spec.capacity
+    scale = _scales(pack, grad_out)[3]
+    bound = ulp(oracle, ape_dtype) + sum_tolerance(acc, window(pack) * (rows + 1), scale)
+    err = (actual[3].double() - oracle).abs()
+    assert bool((err <= bound).all()), f"grad_ape: max excess {float((err - bound).max())}"
 
 
 @pytest.mark.parametrize("spec", spec_params(MATRIX[::2]))
@@ -241,7 +266,7 @@ def test_overflowing_logits_give_nan_not_clean_values():
     pack.score.data[1, 0] = float("inf")
     pack.score.data[5, 1] = float("nan")
     out = torch.ops.csa.compressor(*pack.args())
-    expected = eager_compressor(*pack.args())
+    expected = eager_region(*pack.args())
     assert bool(torch.isnan(out[0, 0])) and bool(torch.isnan(out[1, 1]))
     assert_bitwise_equal(torch.isnan(out), torch.isnan(expected), "nan pattern")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import expecttest
 import pytest
 import torch
-from helpers import MATRIX, PackSpec, eager_compressor, make_pack, spec_params
+from helpers import MATRIX, PackSpec, eager_region, make_pack, spec_params
 from torch.library import opcheck
 
 import csa_ops
@@ -40,6 +40,20 @@ def test_opcheck_forward_without_grad(spec, dtype):
 @pytest.mark.parametrize("spec", spec_params(MATRIX + EDGES))
 def test_opcheck_backward(spec):
     pack = make_pack(spec, torch.bfloat16 if spec.coff == 2 else torch.float32)
+    opcheck(BACKWARD, (pack.grad_out(), *pack.args()[:-1]))
+
+
+@pytest.mark.parametrize("dtype, ape_dtype", [
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16_ape_bf16"),
+    pytest.param(torch.float32, torch.float16, id="fp32_ape_fp16"),
+    pytest.param(torch.float64, torch.bfloat16, id="fp64_ape_bf16"),
+])
+@pytest.mark.parametrize("total_comp", ["capacity", None], ids=["static", "true_count"])
+def test_opcheck_low_precision_ape(dtype, ape_dtype, total_comp):
+    """A model cast with .to(torch.bfloat16) hands the op a bf16 ape: the fakes, autograd
+    and both ops agree on grad_ape in ape's dtype."""
+    pack = make_pack(MATRIX[6], dtype, ape_dtype=ape_dtype)
+    opcheck(FORWARD, (*pack.leaves(), *pack.args(total_comp)[3:]))
     opcheck(BACKWARD, (pack.grad_out(), *pack.args()[:-1]))
 
 
@@ -86,8 +100,8 @@ def test_export_module_with_static_capacity(coff):
         # The exported program is not tied to the example's offsets.
         cu2, cuc2 = csa_ops.offsets_for((4, 9, 8), ratio)
         assert torch.equal(exported.module()(x, cu2, cuc2), model(x, cu2, cuc2))
-    independent = eager_compressor(model.wkv(x), model.wgate(x), model.ape, cu, cuc, ratio, coff,
-                                   6) * 2.0
+    independent = eager_region(model.wkv(x), model.wgate(x), model.ape, cu, cuc, ratio, coff,
+                               6) * 2.0
     torch.testing.assert_close(expected, independent.detach(), rtol=1e-5, atol=1e-6)
 
 

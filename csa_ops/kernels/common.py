@@ -50,6 +50,25 @@ def fma_rn(a: Float32, b: Float32, c: Float32) -> Float32:
     return cute.math.fma(a, b, c, rounding=_RN)
 
 
+# torch's CUDA reduction kernel gives each thread this many accumulators (its vt0).
+TORCH_SUM_ACCUMULATORS = 4
+
+
+def torch_sum(terms: list) -> Float32:
+    """sum(terms) in the order torch's CUDA sum over a short, non-innermost dimension uses
+    (one thread per output, TORCH_SUM_ACCUMULATORS accumulators from +0, term k into
+    accumulator k % 4 in passes of four, then ((a0 + a1) + a2) + a3). Trace-time Python: the
+    terms are unrolled values."""
+    n = TORCH_SUM_ACCUMULATORS
+    acc = [Float32(0.0)] * n
+    for k, term in enumerate(terms):
+        acc[k % n] = add_rn(acc[k % n], term)
+    total = acc[0]
+    for a in acc[1:]:
+        total = add_rn(total, a)
+    return total
+
+
 @cute.jit
 def max_nan(a: Float32, b: Float32) -> Float32:
     # torch.amax propagates NaN (max.NaN.f32; plain max.f32 would drop it). The sign of a

@@ -69,12 +69,12 @@ class _Geometry(Geometry):
 # Device code
 
 
-def _logits(g, rS, sApe, i, cvl, first):
-    """(logits, their max) of column i. Entries of block b-1 of a first block are the
-    reference's constants: logit -inf."""
+def _window_logits(g, logit, first):
+    """(logits, their max) of one column from logit(k), the fp32 logit of window entry k.
+    Entries of block b-1 of a first block are the reference's constants: logit -inf."""
     logits = []
     for k in range(g.W):
-        lk = cm.add_rn(Float32(rS[i, k]), sApe[k, cvl * g.V + i])
+        lk = logit(k)
         if g.entries[k][3]:
             lk = cm.pick(first, Float32(float("-inf")), lk)
         logits.append(lk)
@@ -84,9 +84,15 @@ def _logits(g, rS, sApe, i, cvl, first):
     return logits, m
 
 
-def _probs(g, rKV, rS, sApe, i, cvl, first):
-    """Softmax over the window for column i, in the reference's exact operation order."""
-    logits, m = _logits(g, rS, sApe, i, cvl, first)
+def _logits(g, rS, sApe, i, cvl, first):
+    """_window_logits of column i: score + ape, as the reference adds them."""
+    return _window_logits(g, lambda k: cm.add_rn(Float32(rS[i, k]), sApe[k, cvl * g.V + i]),
+                          first)
+
+
+def _softmax(g, logits, m, value):
+    """(probabilities, values) of one column in the reference's exact operation order;
+    value(k) is entry k's fp32 value."""
     rE = cute.make_rmem_tensor((g.W,), Float32)
     rP = cute.make_rmem_tensor((g.W,), Float32)
     for k in range(g.W):
@@ -96,34 +102,47 @@ def _probs(g, rKV, rS, sApe, i, cvl, first):
         s = cm.add_rn(s, rE[k])
     cm.divide_into(rE, rP, s, g.W)
     p = [rP[k] for k in range(g.W)]
-    v = [Float32(rKV[i, k]) for k in range(g.W)]
+    v = [value(k) for k in range(g.W)]
     return p, v
 
 
+def _probs(g, rKV, rS, sApe, i, cvl, first):
+    """Softmax over the window for column i, in the reference's exact operation order."""
+    logits, m = _logits(g, rS, sApe, i, cvl, first)
+    return _softmax(g, logits, m, lambda k: Float32(rKV[i, k]))
+
+
+def _pool_exact(g, p, v):
+    """Bit for bit torch's eager (kvg * w).sum(dim=1) on CUDA: RN(p_k * v_k) summed in the
+    order of torch's reduction kernel."""
+    return cm.torch_sum([cm.mul_rn(p[k], v[k]) for k in range(g.W)])
+
+
 def _output_exact(g, rKV, rS, sApe, i, cvl, first):
-    """Output column i, bit for bit the reference's: sum of RN(p_k * v_k) in k order."""
-    p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
-    acc = cm.mul_rn(p[0], v[0])
-    for k in range(1, g.W):
-        acc = cm.add_rn(acc, cm.mul_rn(p[k], v[k]))
-    return acc
+    """Output column i, bit for bit torch's eager region on CUDA."""
+    return _pool_exact(g, *_probs(g, rKV, rS, sApe, i, cvl, first))
 
 
 def _output_fast(g, rKV, rS, sApe, i, cvl, first):
-    """(output column i, certified): sum(e_k * v_k) / sum(e_k) with e_k = 2**x_k by
+    """_pool_fast of column i."""
+    logits, m = _logits(g, rS, sApe, i, cvl, first)
+    return _pool_fast(g, logits, m, lambda k: Float32(rKV[i, k]), first)
+
+
+def _pool_fast(g, logits, m, value, first):
+    """(output column, certified): sum(e_k * v_k) / sum(e_k) with e_k = 2**x_k by
     ex2.approx, x_k = (l_k - m) * log2(e) - shift: about half the exact path's instructions
     (the forward is issue-bound at every shape).
 
-    Certified means the result provably rounds to the reference's output dtype value or
+    Certified means the result provably rounds to the exact path's output dtype value or
     a neighbour of it: the two fp32 results differ by at most
         u * ((4W + 40) * sum(e|v|) + 6 * sum(e|v||l - m|)) / s + 2**-126 * sum(|v|) / s
-    (u = 2**-24: the reference's expf, sums, division and products, ex2.approx's 2**-21
+    (u = 2**-24: the exact path's expf, sums, division and products, ex2.approx's 2**-21
     and its argument's rounding, which grows with |l - m|, and the flush of tiny e); below
     one output step (at least 2**-p |out| for p significand bits) they cannot straddle two
     rounding boundaries. Columns that cancel (|out| far below sum(p|v|)), and any NaN or
     infinity, fail the test and take the exact path.
     """
-    logits, m = _logits(g, rS, sApe, i, cvl, first)
     s = Float32(0.0)
     acc = Float32(0.0)
     mag = Float32(0.0)
@@ -132,7 +151,7 @@ def _output_fast(g, rKV, rS, sApe, i, cvl, first):
     for k in range(g.W):
         d = cm.sub_rn(logits[k], m)
         e = cute.math.exp2(d * cm.LOG2E - g.shift, fastmath=True)
-        v = Float32(rKV[i, k])
+        v = value(k)
         t = e * cute.math.absf(v)
         s = s + e
         acc = acc + e * v

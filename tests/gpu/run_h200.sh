@@ -8,8 +8,8 @@
 #                 first four)
 #   CAND_DIR      a tree with candidate sources: its window-family tests run beside ours and
 #                 the kernels stage times both
-#   KERNEL_SHAPES time_kernels.py --only filters (comma separated)
-#   KNOBS         time_kernels.py --knobs variants of the default keys ("pdl=0;linear=0")
+#   KERNEL_SHAPES bench/time_kernels.py --only filters (comma separated)
+#   KNOBS         bench/time_kernels.py --knobs variants of the default keys ("pdl=0;linear=0")
 #   SWEEP_SHAPES  shapes (comma separated) whose window keys are all timed (--sweep)
 #   SWEEP_DIRS    directions of those sweeps (default "fwd,bwd")
 #   BENCH_SHAPES  bench shapes (comma separated; default the SPEC list), BENCH_SKIP variants
@@ -54,32 +54,34 @@ if wants tests; then
   job op "$T" "$ROOT" $PYTEST tests/gpu/test_op_gpu.py
   job graphs "$T" "$ROOT" $PYTEST tests/gpu/test_graphs.py
   job lowering "$T" "$ROOT" $PYTEST tests/gpu/test_lowering_gpu.py
+  job serving "$T" "$ROOT" $PYTEST tests/gpu/test_serving_gpu.py
 fi
 if wants sanitize; then
   # Without the caching allocator every tensor is its own allocation, so memcheck sees any
   # access past a tensor's end.
   job sanitize "$T" "$ROOT" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
     --tool memcheck --report-api-errors no --error-exitcode 99 $PYTEST -k adversarial \
-    tests/gpu/test_kernels_window.py tests/gpu/test_kernels_streaming.py
+    tests/gpu/test_kernels_window.py tests/gpu/test_kernels_streaming.py \
+    tests/gpu/test_serving_gpu.py
 fi
 wait
 
-wants overhead && run overhead 90 "$ROOT" python3 tests/gpu/time_overhead.py "$OUT/overhead.json"
+wants overhead && run overhead 90 "$ROOT" python3 bench/time_overhead.py "$OUT/overhead.json"
 if wants kernels; then
   IFS=, read -ra shapes <<< "${KERNEL_SHAPES:-1x8192 d128 r4 c2,3x8192 d512 r4 c2}"
   for shape in "${shapes[@]}"; do
     tag=${shape// /_}
     sweep=""
     [[ ",${SWEEP_SHAPES:-}," == *",$shape,"* ]] && sweep="--sweep=${SWEEP_DIRS:-fwd,bwd}"
-    run "kernels-$tag" "${T_KERNELS:-60}" "$ROOT" python3 tests/gpu/time_kernels.py \
+    run "kernels-$tag" "${T_KERNELS:-60}" "$ROOT" python3 bench/time_kernels.py \
       --only "$shape" ${KNOBS:+--knobs "$KNOBS"} $sweep
     [ -n "${CAND_DIR:-}" ] && run "cand-kernels-$tag" 60 "$CAND_DIR" \
-      env PYTHONPATH="$CAND_DIR:$PYTHONPATH" python3 tests/gpu/time_kernels.py --only "$shape"
+      env PYTHONPATH="$CAND_DIR:$PYTHONPATH" python3 bench/time_kernels.py --only "$shape"
   done
 fi
 if wants ncu; then
   run ncu 150 "$ROOT" ncu -k regex:kernel_cutlass --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section MemoryWorkloadAnalysis python3 tests/gpu/profile_once.py
+    --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/profile_once.py
 fi
 if wants bench; then
   run bench "${T_BENCH:-400}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from helpers import train_block
 
 import csa_ops
 from csa_ops import offsets_for, reference
@@ -176,6 +177,30 @@ def test_reduce_overhead_inference_replays_without_recompiles():
 
 def test_reduce_overhead_training_replays_without_recompiles():
     _reduce_overhead_steps(train=True)
+
+
+def test_bf16_converted_block_trains_under_reduce_overhead():
+    """After model.to(torch.bfloat16) (ape bf16 too), training steps under reduce-overhead
+    replay without skips and follow an eager copy of the block."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = csa_ops.Compressor(256, HEAD_DIM, RATIO, COFF, device="cuda").to(torch.bfloat16)
+    assert block.ape.dtype == torch.bfloat16
+    eager = copy.deepcopy(block)
+    cu, cuc = offsets_for(PACKS[0], RATIO, "cuda")
+    x = torch.randn(TOKEN_CAPACITY, 256, device="cuda", dtype=torch.bfloat16)
+    counters.clear()
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    losses, params = train_block(block, compiled, x, cu, cuc, ROW_CAPACITY, steps=4)
+    assert block.ape.grad.dtype == torch.bfloat16
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    eager_losses, eager_params = train_block(eager, eager, x, cu, cuc, ROW_CAPACITY, steps=4)
+    torch.testing.assert_close(losses, eager_losses, rtol=2e-2, atol=2e-2)
+    for name, value in params.items():
+        torch.testing.assert_close(value, eager_params[name], rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_concurrent_first_calls_compile_once():

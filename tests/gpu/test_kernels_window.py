@@ -1,8 +1,8 @@
-"""Register-window CuTe-DSL kernels against torch's eager autograd on the same GPU (SPEC 3).
+"""Register-window CuTe-DSL kernels against torch's eager region on the same GPU (SPEC 3).
 
 grad_kv / grad_score must match torch's eager autograd of the formula bit for bit (the
-reference's CPU-order softmax backward differs from torch's CUDA one in rare last bits), the
-forward the fp32 reference within one output rounding step
+reference mirrors torch's CPU operation order, which differs from its CUDA one in rare last
+bits), the forward the eager region within one output rounding step
 (bit for bit on its exact path: fp16, fp32 and the fast_exp=0 knob), every output element
 must be written (outputs are poisoned with NaN first), and nothing may depend on the run. Calls csa_ops.host directly so a failure names the kernel, not the op.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (PackSpec, assert_within_one_step, eager_forward_backward, make_pack,
-                     spec_params)
+from helpers import (PackSpec, assert_within_one_step, eager_forward_backward, eager_region,
+                     make_pack, spec_params)
 
 from csa_ops import host, reference
 from csa_ops.config import with_knobs
@@ -115,7 +115,7 @@ def test_matches_reference(spec, dtype):
     pack = _pack(spec, dtype)
     grad_out = _grad_out(spec, dtype)
     out, gkv, gs, gape = _run(pack, grad_out)
-    ref_out = reference.compressor_reference(*pack.args())
+    ref_out = eager_region(*pack.args())
     rkv, rs, rape = _reference_grads(pack, grad_out)
     assert_within_one_step(out, ref_out, "forward", max_fraction=1e-3)
     _bitwise(gkv, rkv, "grad_kv")
@@ -141,7 +141,7 @@ def test_forward_paths_and_determinism(dtype, fast):
     host.set_key(with_knobs(default, fast_exp=fast), False)
     try:
         first = _run(pack, grad_out)
-        ref_out = reference.compressor_reference(*pack.args())
+        ref_out = eager_region(*pack.args())
         if fast:
             assert_within_one_step(first[0], ref_out, "forward", max_fraction=1e-3)
         else:
@@ -166,7 +166,7 @@ def test_nan_inf_like_reference(coff):
     grad_out = _grad_out(spec, torch.bfloat16)
     grad_out[2, 5] = float("inf")
     out, gkv, gs, gape = _run(pack, grad_out)
-    ref_out = reference.compressor_reference(*pack.args())
+    ref_out = eager_region(*pack.args())
     rkv, rs, rape = _reference_grads(pack, grad_out)
     _forward_like_reference(out, ref_out, spec, "forward")
     _bitwise(gkv, rkv, "grad_kv")
@@ -190,7 +190,7 @@ def test_misaligned_views_fall_back_to_copies():
     args = (kv, score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp, 4, 2)
     out = host.run_forward(*args, spec.capacity)
     gkv, gs, _ = host.run_backward(grad_out, *args)
-    _forward_like_reference(out, reference.compressor_reference(*pack.args()), spec, "forward")
+    _forward_like_reference(out, eager_region(*pack.args()), spec, "forward")
     rkv, rs, _ = _reference_grads(pack, grad_out)
     _bitwise(gkv, rkv, "grad_kv")
     _bitwise(gs, rs, "grad_score")
@@ -212,7 +212,7 @@ def test_adversarial_offsets_stay_in_bounds(seed):
         host.run_backward(_grad_out(spec, torch.bfloat16), *args)
     torch.cuda.synchronize()
     out = host.run_forward(*pack.tensors(), 4, 2, spec.capacity)
-    _forward_like_reference(out, reference.compressor_reference(*pack.args()), spec,
+    _forward_like_reference(out, eager_region(*pack.args()), spec,
                             "forward after adversarial")
 
 
@@ -223,7 +223,7 @@ def test_capacity_smaller_than_true_count_drops_rows():
     grad_out = _grad_out(spec, torch.bfloat16)[:rows].contiguous()
     args = (*pack.tensors(), 4, 2)
     out = host.run_forward(*args, rows)
-    full = reference.compressor_reference(*pack.args())
+    full = eager_region(*pack.args())
     _forward_like_reference(out, full[:rows], spec, "forward truncated")
     gkv, _, _ = host.run_backward(grad_out, *args)
     padded = torch.cat([grad_out, torch.zeros_like(full[rows:])])
@@ -254,7 +254,7 @@ def test_graph_capture_needs_precompile_and_replays():
         graph.replay()
     torch.cuda.synchronize()
     assert host.cache_info()["misses"] == misses
-    _forward_like_reference(out, reference.compressor_reference(*pack.args()), spec,
+    _forward_like_reference(out, eager_region(*pack.args()), spec,
                             "graph forward")
     rkv, rs, rape = _reference_grads(pack, grad_out)
     _bitwise(gkv, rkv, "graph grad_kv")
@@ -272,7 +272,7 @@ def test_exp_matches_torch_over_many_arguments():
     pack.score.view(-1, 2, 64)[:, 1] = 0.0
     pack.ape.zero_()
     out = host.run_forward(*pack.tensors(), 2, 1, spec.capacity)
-    _bitwise(out, reference.compressor_reference(*pack.args()), "exp-dominated forward")
+    _bitwise(out, eager_region(*pack.args()), "exp-dominated forward")
 
 
 @pytest.mark.parametrize("scale", (30.0, 90.0))
@@ -285,7 +285,7 @@ def test_division_and_exp_over_wide_logit_ranges(scale):
     pack.score.copy_(-scale * torch.rand(pack.score.shape, device="cuda", generator=gen))
     grad_out = _grad_out(spec, torch.float32)
     out, gkv, gs, _ = _run(pack, grad_out)
-    _bitwise(out, reference.compressor_reference(*pack.args()), "forward")
+    _bitwise(out, eager_region(*pack.args()), "forward")
     rkv, rs, _ = _reference_grads(pack, grad_out)
     _bitwise(gkv, rkv, "grad_kv")
     _bitwise(gs, rs, "grad_score")
@@ -305,6 +305,6 @@ def test_fast_forward_over_wide_logit_ranges_and_huge_values(scale, ratio, coff)
     pack.score.copy_(logits.to(torch.bfloat16))
     pack.kv[: spec.num_tokens // 2] = 3.0e38
     out = host.run_forward(*pack.tensors(), ratio, coff, spec.capacity)
-    ref = reference.compressor_reference(*pack.args())
+    ref = eager_region(*pack.args())
     assert torch.isfinite(ref).all()
     _forward_like_reference(out, ref, spec, "fast forward")

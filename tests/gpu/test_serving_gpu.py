@@ -178,3 +178,109 @@ def test_adversarial_slots_and_positions_stay_in_bounds(ratio, coff):
         out, cuc = OP(kv, score, ape, cu, start, slots, state.kv, state.score, ratio, coff, 7)
         torch.cuda.synchronize()
         assert out.shape == (7, head_dim) and cuc.shape == (batch + 1,)
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (2, 2, 512)])
+def test_register_window_configs_run_the_extend_kernel(ratio, coff, head_dim):
+    from csa_ops import host
+
+    batch, num_slots = 4, 8
+    tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, num_slots, 1)
+    assert host.extend_problem(tokens[0][0], state.kv, state.score, ratio, coff) is not None
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)  # warm
+    before = host.cache_info()
+    OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)
+    after = host.cache_info()
+    assert after["hits"] == before["hits"] + 1 and after["size"] == before["size"]
+    # The streaming family's windows keep the reference: no kernel is looked up.
+    tokens, state, slots, start, ape = _decode_inputs(batch, 128, 1, 128, num_slots, 1)
+    assert host.extend_problem(tokens[0][0], state.kv, state.score, 128, 1) is None
+    OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, 128, 1, batch)
+    assert host.cache_info()["hits"] == after["hits"]
+
+
+def test_adversarial_requests_are_isolated_by_the_kernel():
+    """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
+    or reversed) get zero rows and leave every slot alone; the valid ones in the same batch
+    match a clean call; cu_seqlens_comp counts rows as the reference does."""
+    ratio, coff, head_dim, num_slots, int32_max = 4, 2, 64, 8, 2**31 - 1
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    width = coff * head_dim
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    kv, score, ape = randn(48, width), randn(48, width), randn(ratio, width, dtype=torch.float32)
+    cu = [0, 10, 14, 20, 24, 60, 30, 40, 45]
+    start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
+    slots = [2, 9, 5, 1, 3, 4, 6, 0]
+    valid = [0, 2, 7]
+    state = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    state.kv.copy_(randn(*state.kv.shape))
+    state.score.copy_(randn(*state.score.shape, dtype=torch.float32))
+    clean = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    clean.kv.copy_(state.kv)
+    clean.score.copy_(state.score)
+    untouched_kv, untouched_score = state.kv.clone(), state.score.clone()
+
+    def as_int32(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    out, cuc = OP(kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots), state.kv,
+                  state.score, ratio, coff, None)
+    rows = [max(0, cu[b + 1] - cu[b]) for b in range(8)]
+    rows = [(max(p, 0) + n) // ratio - max(p, 0) // ratio for p, n in zip(start, rows)]
+    assert cuc.tolist() == [sum(rows[:b]) for b in range(9)]
+    pieces = [(cu[b], cu[b + 1]) for b in valid]
+    clean_cu = [0]
+    for lo, hi in pieces:
+        clean_cu.append(clean_cu[-1] + hi - lo)
+    want, want_cuc = OP(torch.cat([kv[lo:hi] for lo, hi in pieces]),
+                        torch.cat([score[lo:hi] for lo, hi in pieces]), ape, as_int32(clean_cu),
+                        as_int32([start[b] for b in valid]), as_int32([slots[b] for b in valid]),
+                        clean.kv, clean.score, ratio, coff, None)
+    bounds, want_bounds = cuc.tolist(), want_cuc.tolist()
+    for b in range(8):
+        got = out[bounds[b]:bounds[b + 1]]
+        if b in valid:
+            j = valid.index(b)
+            assert_bitwise_equal(got, want[want_bounds[j]:want_bounds[j + 1]], f"rows of {b}")
+        else:
+            assert int(torch.count_nonzero(got)) == 0, f"rows of invalid request {b}"
+    for slot in range(num_slots):
+        expect = (clean.kv[slot], clean.score[slot]) if slot in [slots[b] for b in valid] else (
+            untouched_kv[slot], untouched_score[slot])
+        assert_bitwise_equal(state.kv[slot], expect[0], f"kv_state slot {slot}")
+        assert_bitwise_equal(state.score[slot], expect[1], f"score_state slot {slot}")
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+def test_adversarial_extend_kernel_extremes(coff):
+    """Empty batches and token sets, capacities below the true row count, repeated slots:
+    in bounds, cu_seqlens_comp as the reference counts it."""
+    ratio, head_dim = 4, 64
+    width = coff * head_dim
+    ape = torch.randn(ratio, width, device="cuda")
+    state = CompressorState(2, ratio, coff, head_dim, torch.bfloat16, "cuda")
+
+    def call(num_tokens, cu, start, slots, total_comp):
+        kv = torch.randn(num_tokens, width, device="cuda").bfloat16()
+        score = torch.randn(num_tokens, width, device="cuda").bfloat16()
+        as_int32 = {"dtype": torch.int32, "device": "cuda"}
+        out, cuc = OP(kv, score, ape, torch.tensor(cu, **as_int32),
+                      torch.tensor(start, **as_int32), torch.tensor(slots, **as_int32),
+                      state.kv, state.score, ratio, coff, total_comp)
+        torch.cuda.synchronize()
+        return out, cuc.tolist()
+
+    out, cuc = call(0, [0], [], [], 3)  # no requests: padding only
+    assert cuc == [0] and int(torch.count_nonzero(out)) == 0
+    out, cuc = call(0, [0], [], [], None)
+    assert out.shape == (0, head_dim)
+    _, cuc = call(0, [0, 0], [6], [0], 2)  # no tokens
+    assert cuc == [0, 0]
+    _, cuc = call(40, [0, 40], [0], [0], 3)  # 10 rows, capacity 3: the rest is dropped
+    assert cuc == [0, 10]
+    _, cuc = call(20, [0, 10, 20], [0, 3], [1, 1], 7)  # one slot, repeated
+    assert cuc == [0, 2, 5]

@@ -1,8 +1,8 @@
 """Kernel time of csa::compressor compiled under each lowering mode, with and without RMSNorm.
 
-Not collected by pytest. `time_lowering(shapes)` returns rows the bench can add to its
-table; `python tests/gpu/time_lowering.py [--quick]` prints them. Times are CUDA-graph
-replays (triton.testing.do_bench_cudagraph), median microseconds per call.
+`time_lowering(shapes)` returns rows the bench can add to its table;
+`python bench/time_lowering.py [--quick]` prints them. Times are median microseconds per call
+in CUDA-graph replays (bench/timing.py), per-call wall time where the step syncs the host.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import timing  # bench/ is the script's folder, so on sys.path
 import torch
 import torch.nn.functional as F
 
@@ -63,14 +64,13 @@ def _variants(ratio, coff):
 
 
 def _bench(fn, args):
-    import triton.testing
-
     fn(*args)  # compile (and JIT the extern kernel) outside the graph capture
     torch.cuda.synchronize()
-    try:
-        return 1e3 * triton.testing.do_bench_cudagraph(lambda: fn(*args), rep=50)
-    except RuntimeError:  # a path that cannot be captured: per-call timing instead
-        return 1e3 * triton.testing.do_bench(lambda: fn(*args), rep=50)
+    if timing.syncs_host(lambda: fn(*args)) is None:
+        return 1e6 * timing.graph_time_per_call(lambda _: fn(*args), [None])
+    median, _ = timing.time_calls(lambda _: fn(*args), batch=20, warmup=2, iters=10,
+                                  device=args[0].device)
+    return 1e6 * median
 
 
 def time_lowering(shapes=SHAPES, modes=MODES, variants=None, dtype=torch.bfloat16):

@@ -1,7 +1,7 @@
-"""One forward and one backward launch per shape, for `ncu` (not collected by pytest).
+"""One forward and one backward launch per shape, for `ncu`.
 
     ncu --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats python3 tests/gpu/profile_once.py
+        --section WarpStateStats python3 bench/profile_once.py
 
 Inputs are built and the kernels compiled before the profiled launches, so the only
 kernels after the marker range are ours (forward; backward and its grad_ape finalize).

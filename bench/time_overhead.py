@@ -1,8 +1,8 @@
 """Host overhead of one eager call (Python + dispatcher + launch), forward and backward.
 
-Not collected by pytest: ``python tests/gpu/time_overhead.py``. Two views: CUDA events
-around many back-to-back calls at a tiny shape (the host is the bottleneck there, so the
-per-call time is the host cost) and the profiler's CPU time per op call.
+``python bench/time_overhead.py [out.json]``. Two views: CUDA events around many
+back-to-back calls at a tiny shape (the host is the bottleneck there, so the per-call time is
+the host cost) and the profiler's CPU time per op call.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import timing  # bench/ is the script's folder, so on sys.path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -27,32 +28,15 @@ def _inputs(tokens=256, head_dim=128, ratio=4, coff=2):
 
 
 def _per_call_us(fn, calls=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
+    """Median over 10 batches of back-to-back calls, after one untimed batch."""
+    batch = max(1, calls // 10)
+    median, _ = timing.time_calls(lambda _: fn(), batch, warmup=1, iters=10,
+                                  device=torch.device("cuda"))
+    return median * 1e6
 
 
-def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
-    """Per-call cost of each layer of the forward path (host time: the kernel is tiny)."""
-    from csa_ops import host, launcher, validation
-
-    key, _, _ = host._resolve(kv, ratio, coff, kv.shape[1] // coff, backward=False)
-    entry = host._CACHE.get("fwd", key)
-    signature = host.launch_signature("fwd", key)
-    out = torch.empty(rows, kv.shape[1] // coff, device="cuda", dtype=kv.dtype)
-    values = [t.data_ptr() for t in (kv, score, ape, cu, cuc, out, ape)]
-    values += [kv.shape[0], rows, cu.numel() - 1, 64]
-    stream = torch.cuda.current_stream().cuda_stream
-    public = launcher.PublicLauncher(entry.kernel, signature)
-    prepacked = launcher.PrepackedLauncher(entry.kernel, signature)
-    # torch's own per-call cost on this host: no-op ops registered both ways.
+def _noop_ops():
+    """torch's own per-call floor on this host: no-op ops registered the ways ours could be."""
     @torch.library.custom_op("csa_overhead::custom_noop", mutates_args=())
     def custom_noop(x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(0)
@@ -60,20 +44,43 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
     library = torch.library.Library("csa_overhead", "FRAGMENT")
     library.define("library_noop(Tensor x) -> Tensor")
     library.impl("library_noop", lambda x: x.new_empty(0), "CUDA")
-    from csa_ops import ops
+    library.define("autograd_noop(Tensor x) -> Tensor")
+    library.impl("autograd_noop", lambda x: x.new_empty(0), "CUDA")
+    torch.library.register_autograd("csa_overhead::autograd_noop", lambda ctx, g: g,
+                                    lib=library)
+    return library
 
+
+def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
+    """Per-call cost of each layer of the forward path (host time: the kernel is tiny)."""
+    from csa_ops import host, ops, validation
+
+    problem = host.problem("fwd", kv, score, cu, cuc, ratio, coff)
+    launch = host._CACHE.get("fwd", problem.key)
+    call = host.prepare("fwd", (kv, score, ape, cu, cuc), ratio, coff, rows)
+    out = torch.empty(rows, kv.shape[1] // coff, device="cuda", dtype=kv.dtype)
+    plan = problem.family.plan_forward(problem.key, kv.shape[0], rows, problem.num_sms)
+    values = [t.data_ptr() for t in (kv, score, ape, cu, cuc, out, ape)]
+    values += [kv.shape[0], rows, cu.numel() - 1, plan.grid]
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (kv, score, ape, cu, cuc)
+    library = _noop_ops()  # noqa: F841  (keeps the no-op ops registered)
     return {
         "custom_op_noop_us": _per_call_us(lambda: torch.ops.csa_overhead.custom_noop(kv)),
         "library_noop_us": _per_call_us(lambda: torch.ops.csa_overhead.library_noop(kv)),
+        "library_autograd_noop_us": _per_call_us(
+            lambda: torch.ops.csa_overhead.autograd_noop(kv)),
         "cuda_impl_direct_us": _per_call_us(lambda: ops._compressor_cuda(
             kv, score, ape, cu, cuc, ratio, coff, rows)),
-        "validation_us": _per_call_us(lambda: validation.check_arguments(
+        "validation_full_us": _per_call_us(lambda: validation.check_arguments(
             kv, score, ape, cu, cuc, ratio, coff, rows)),
-        "host_forward_us": _per_call_us(lambda: host.compressor_forward(
-            kv, score, ape, cu, cuc, ratio, coff, rows)),
-        "launch_public_us": _per_call_us(lambda: public(values, stream)),
-        "launch_prepacked_us": _per_call_us(lambda: prepacked(values, stream)),
-        "launcher_in_use": type(entry.launch).__name__,
+        "validation_memoized_us": _per_call_us(lambda: ops._prepared_cuda(
+            "fwd", args, ratio, coff, rows, None)),
+        "prepared_call_us": _per_call_us(lambda: call(kv, score, ape, cu, cuc)),
+        "empty_out_us": _per_call_us(lambda: torch.empty(
+            (rows, kv.shape[1] // coff), dtype=kv.dtype, device=kv.device)),
+        "launch_us": _per_call_us(lambda: launch(values, stream)),
+        "torch_add_us": _per_call_us(lambda: torch.add(kv, score)),
     }
 
 

@@ -1,9 +1,9 @@
-"""Kernel timing of the streaming family on the current GPU (not collected by pytest).
+"""Kernel timing of the streaming family on the current GPU.
 
 Per shape: forward and backward kernel time per call from CUDA-graph replays of 20 launches
-that rotate over input sets larger than L2, against the DRAM floor (SPEC 5 bytes over the
-measured device-to-device copy bandwidth). Knob variants (--variants) are timed beside the
-default key. Prints a table; --json writes it.
+that rotate over input sets larger than 3x the device's L2, against the DRAM floor (SPEC 5
+bytes over the measured device-to-device copy bandwidth). Knob variants (--variants) are
+timed beside the default key. Prints a table; --json writes it.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import timing  # bench/ is the script's folder, so on sys.path
 import torch
-from time_kernels import copy_bandwidth, graph_time  # same folder: one probe, one timer
 
 from csa_ops import host
 from csa_ops.kernels import streaming
@@ -27,31 +27,17 @@ SHAPES = (  # (tokens, head_dim, ratio, coff)
     (131072, 512, 128, 1),
     (131072, 512, 128, 2),
 )
-L2_BYTES = 60 * 2**20
 
 
 class Launch:
-    """A compiled key with its pointers bound once, so a call is one kernel launch."""
+    """A compiled key with its tensors bound once, so a call is one kernel launch."""
 
     def __init__(self, key, backward, tensors, sizes, grid):
-        import cuda.bindings.driver as cuda
-        import cutlass
-        from cutlass import cute
-        from cutlass.cute.runtime import make_ptr
-
-        fn = streaming.compile_backward if backward else streaming.compile_forward
-        self.fn = fn(key)
-        types = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                 torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}
-        aligns = {torch.float32: 16, torch.int32: 4}
-        self.ptrs = [make_ptr(types[t.dtype], t.data_ptr(), cute.AddressSpace.gmem,
-                              aligns.get(t.dtype, key.align_bytes)) for t in tensors]
-        self.sizes = [cutlass.Int32(s) for s in (*sizes, grid)]
-        self.cuda = cuda
+        self.args = ("bwd" if backward else "fwd", key, tensors, sizes, grid)
+        host.launch_key(*self.args)  # compiles (or loads) outside the timed region
 
     def __call__(self):
-        stream = self.cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        self.fn(*self.ptrs, *self.sizes, stream)
+        host.launch_key(*self.args)
 
 
 def _inputs(tokens, d, ratio, coff, dtype, seed):
@@ -89,7 +75,7 @@ def _launches(key, backward, sets, sms):
 
 def launches_time(launches) -> float:
     """Kernel time per launch from graph replays cycling over the bound launches."""
-    return graph_time(lambda launch: launch(), launches)
+    return timing.graph_time_per_call(lambda launch: launch(), launches) * 1e6
 
 
 def main() -> None:
@@ -104,7 +90,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     arch = host.device_arch()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth()
+    device = torch.device("cuda")
+    bw = timing.copy_bandwidth(device, 2**30)
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows_out = []
     for tokens, d, ratio, coff in SHAPES:
@@ -113,7 +100,7 @@ def main() -> None:
         in_bytes = 2 * tokens * coff * d * eb
         fwd_bytes = in_bytes + rows * d * eb
         bwd_bytes = fwd_bytes + rows * d * eb + in_bytes
-        nsets = max(1, min(8, -(-3 * L2_BYTES // in_bytes)))
+        nsets = timing.num_input_sets(in_bytes, device, cap=8)
         sets = [_inputs(tokens, d, ratio, coff, dtype, seed) for seed in range(nsets)]
         rec = {"shape": f"1x{tokens} d{d} r{ratio} c{coff}",
                "floor_fwd_us": fwd_bytes / bw * 1e6, "floor_bwd_us": bwd_bytes / bw * 1e6}

@@ -1,8 +1,9 @@
-"""Kernel timing of the CuTe-DSL compressor kernels on the current GPU (not collected by pytest).
+"""Kernel timing of the CuTe-DSL compressor kernels on the current GPU.
 
 Per shape: device-to-device copy bandwidth (the DRAM ceiling), then forward and backward
 kernel time per call from CUDA-graph replays of 20 launches that rotate over input sets
-larger than L2, and the host time of one eager call. Prints a table; --json writes it.
+larger than 3x the device's L2, and the host time of one eager call. Prints a table; --json
+writes it. ``--knobs "pdl=0;linear=0"`` times the default keys with knobs overridden.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 
+import timing  # bench/ is the script's folder, so on sys.path
 import torch
 
 from csa_ops import config, host, reference
@@ -27,21 +28,10 @@ SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
     (3, 8192, 512, 2, 2),
     (1, 16384, 128, 16, 2),
 )
-L2_BYTES = 60 * 2**20
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 20 / (start.elapsed_time(end) * 1e-3)
+def _label(segs, seqlen, d, ratio, coff) -> str:
+    return f"{segs}x{seqlen} d{d} r{ratio} c{coff}"
 
 
 def _inputs(segs, seqlen, d, ratio, coff, dtype, seed):
@@ -57,38 +47,13 @@ def _inputs(segs, seqlen, d, ratio, coff, dtype, seed):
     return kv, score, ape, cu, cuc, rows, grad_out
 
 
-def graph_time(fn, sets, launches=20, replays=30) -> float:
-    for s in sets:
-        fn(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(launches):
-            fn(sets[i % len(sets)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * launches))
-    return sorted(times)[len(times) // 2]
+def graph_time(fn, sets) -> float:
+    """Microseconds per launch of ``fn(set)`` from CUDA-graph replays cycling over ``sets``."""
+    return timing.graph_time_per_call(fn, sets) * 1e6
 
 
-def _host_time(fn, s, calls=200) -> float:
-    for _ in range(10):
-        fn(s)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn(s)
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed * 1e6 / calls
+def _host_time(fn, s) -> float:
+    return timing.host_time_per_call(lambda: fn(s)) * 1e6
 
 
 def _verdict(backward: bool, got, s, ratio, coff) -> str:
@@ -121,31 +86,69 @@ def _time_key(key, backward, fn, sets, dtype) -> tuple[float, str]:
 
 def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
     """Times and checks every enumerated window key (vector width, CTA size, knobs)."""
-    arch = host.device_arch()
     for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
         if ("bwd" if backward else "fwd") not in dirs:
             continue
-        base = host.select_key(ratio, coff, d, dtype_name, arch, backward)
-        if base is None or base.family != "window":
+        base = _window_base(ratio, coff, d, dtype_name, backward)
+        if base is None:
             continue
-        for key in config.enumerate_window_keys(ratio, coff, d, dtype_name, arch, backward):
+        for key in config.enumerate_window_keys(ratio, coff, d, dtype_name, base.arch,
+                                                backward):
             t, verdict = _time_key(key, backward, fn, sets, dtype)
             print(f"  {'bwd' if backward else 'fwd'} vec={key.vec} threads={key.threads} "
-                  f"{dict(key.knobs)}: {t:.2f} us (default {t_default:.2f}) {verdict}")
+                  f"{knob_text(key.knobs)}: {t:.2f} us (default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
+
+
+# The names kernels/window.py reads, for keys whose knobs are (name, value) pairs.
+WINDOW_KNOBS = ("balance", "fast_exp", "linear", "min_ctas", "pdl")
+
+
+def knob_text(knobs) -> str:
+    return str(dataclasses.asdict(knobs) if dataclasses.is_dataclass(knobs) else dict(knobs))
+
+
+def with_knobs(knobs, variant: str):
+    """``knobs`` (a knob dataclass or (name, value) pairs) with "name=value,..." applied; a
+    name the family does not have raises ValueError instead of timing the default."""
+    try:
+        values = {name.strip(): int(value) for name, value in
+                  (item.split("=") for item in variant.split(",") if item.strip())}
+    except ValueError:
+        raise ValueError(f"--knobs: expected name=int[,name=int], got {variant!r}") from None
+    is_dataclass = dataclasses.is_dataclass(knobs)
+    known = [f.name for f in dataclasses.fields(knobs)] if is_dataclass else WINDOW_KNOBS
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"--knobs: unknown knob {', '.join(unknown)} in {variant!r}; "
+                         f"known: {', '.join(sorted(known))}")
+    if is_dataclass:
+        return dataclasses.replace(knobs, **values)
+    return tuple(sorted({**dict(knobs), **values}.items()))
+
+
+def _window_base(ratio, coff, d, dtype_name, backward):
+    base = host.select_key(ratio, coff, d, dtype_name, host.device_arch(), backward)
+    return base if base is not None and base.family == "window" else None
+
+
+def _check_knobs(spec, shapes, dtype_name) -> None:
+    """Applies every variant to every default window key before anything is timed."""
+    for _segs, _seqlen, d, ratio, coff in shapes:
+        for backward in (False, True):
+            base = _window_base(ratio, coff, d, dtype_name, backward)
+            for variant in filter(None, spec.split(";")) if base else ():
+                with_knobs(base.knobs, variant)
 
 
 def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd):
     """Times the default keys with knobs overridden: spec "pdl=0;linear=0;pdl=0,linear=0"."""
-    arch = host.device_arch()
     for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
-        base = host.select_key(ratio, coff, d, dtype_name, arch, backward)
-        if base is None or base.family != "window":
+        base = _window_base(ratio, coff, d, dtype_name, backward)
+        if base is None:
             continue
         for variant in filter(None, spec.split(";")):
-            knobs = dict(base.knobs)
-            knobs.update((k, int(v)) for k, v in (kv.split("=") for kv in variant.split(",")))
-            key = dataclasses.replace(base, knobs=tuple(sorted(knobs.items())))
+            key = dataclasses.replace(base, knobs=with_knobs(base.knobs, variant))
             t, verdict = _time_key(key, backward, fn, sets, dtype)
             print(f"  {'bwd' if backward else 'fwd'} {variant}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")
@@ -175,27 +178,31 @@ def main() -> None:
                         help='knob variants of the default keys, e.g. "pdl=0;linear=0"')
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    bw = copy_bandwidth()
+    shapes = [s for s in SHAPES if args.only in _label(*s)]
+    try:
+        _check_knobs(args.knobs, shapes, args.dtype)
+    except ValueError as error:
+        parser.error(str(error))
+    device = torch.device("cuda")
+    bw = timing.copy_bandwidth(device, 2**30)
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows_out = []
-    for segs, seqlen, d, ratio, coff in SHAPES:
-        if args.only not in f"{segs}x{seqlen} d{d} r{ratio} c{coff}":
-            continue
+    for segs, seqlen, d, ratio, coff in shapes:
         eb = torch.tensor([], dtype=dtype).element_size()
         tokens = segs * seqlen
         rows = segs * (seqlen // ratio)
         in_bytes = 2 * tokens * coff * d * eb
         fwd_bytes = in_bytes + rows * d * eb
         bwd_bytes = fwd_bytes + rows * d * eb + in_bytes
-        nsets = max(1, min(8, -(-3 * L2_BYTES // max(1, in_bytes))))
+        nsets = timing.num_input_sets(in_bytes, device, cap=8)
         sets = [_inputs(segs, seqlen, d, ratio, coff, dtype, seed) for seed in range(nsets)]
         host.precompile(ratio, d, coff, dtype)
 
         def fwd(s, ratio=ratio, coff=coff):
-            return host.compressor_forward(*s[:5], ratio, coff, s[5])
+            return host.run_forward(*s[:5], ratio, coff, s[5])
 
         def bwd(s, ratio=ratio, coff=coff):
-            return host.compressor_backward(s[6], *s[:5], ratio, coff)
+            return host.run_backward(s[6], *s[:5], ratio, coff)
 
         t_fwd, t_bwd = graph_time(fwd, sets), graph_time(bwd, sets)
         if segs * seqlen <= 8192:
@@ -209,7 +216,7 @@ def main() -> None:
             _sweep(args.sweep, ratio, coff, d, args.dtype, dtype, fwd, bwd, sets, t_fwd, t_bwd)
         h_fwd, h_bwd = _host_time(fwd, sets[0]), _host_time(bwd, sets[0])
         floor_f, floor_b = fwd_bytes / bw * 1e6, bwd_bytes / bw * 1e6
-        rec = {"shape": f"{segs}x{seqlen} d{d} r{ratio} c{coff}", "fwd_us": t_fwd,
+        rec = {"shape": _label(segs, seqlen, d, ratio, coff), "fwd_us": t_fwd,
                "bwd_us": t_bwd, "floor_fwd_us": floor_f, "floor_bwd_us": floor_b,
                "host_fwd_us": h_fwd, "host_bwd_us": h_bwd}
         rows_out.append(rec)

@@ -1,0 +1,371 @@
+"""csa::compressor_extend kernel (SPEC 8): the rows of the blocks that new tokens complete,
+and every request's new state, in one launch.
+
+Work items: per request, its state and its first min(rows, coff) rows (the only rows that
+read the state); then one per output row (windows of new tokens only; padding: zeros). A
+CTA holds `rpc` items x `cvc` column vectors of one column chunk (the forward's Geometry).
+Columns are independent, so one thread owns a request's state and state-reading rows in its
+columns and reads before it writes, in program order: no barrier, no other thread involved.
+Every CTA first scans the batch's row counts to place its items' output rows. Rows pool
+through window.py's per-column softmax with the forward key's flags: bit-identical rows.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
+from cutlass.memory import SmemAllocator
+
+from ..config import KernelKey
+from . import common as cm
+from . import window
+
+_INT32_MAX = 2**31 - 1
+
+
+def _opaque(x: Int32) -> Int32:
+    """x, hidden from the optimizer: the first-block flag must stay a run-time value as in
+    the forward, so no select of the softmax folds away and lets a multiply-add contract."""
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value()], "mov.b32 $0, $1;",
+                                 "=r,r"))
+
+
+def _column_fast(g, rL, rKV, i, first):
+    logits, m = window._window_logits(g, lambda k: Float32(rL[i, k]), first)
+    return window._pool_fast(g, logits, m, lambda k: Float32(rKV[i, k]), first)
+
+
+def _column_exact(g, rL, rKV, i, first):
+    logits, m = window._window_logits(g, lambda k: Float32(rL[i, k]), first)
+    return window._pool_exact(g, *window._softmax(g, logits, m, lambda k: Float32(rKV[i, k])))
+
+
+def _build(key: KernelKey):
+    g = window._Geometry(key)
+    R, C, D, V, W = g.R, g.C, g.D, g.V, g.W
+    row_elems = C * D  # one token, or one state entry
+    slot_elems = W * row_elems
+    nt = -(-g.threads // 32) * 32  # whole warps: the scan shuffles over full warps
+    warps = nt // 32
+    group = max(1, min(W, 32 // (C * V)))  # state entries loaded before any is stored
+    load_window, _, _ = window._window_io(g)
+    smem_bytes = (W * g.cvc * V + 2 * g.rpc + warps) * 4 + 64
+
+    def count(start, length):
+        """A request's rows as the reference counts them (int64, truncated to int32)."""
+        p = Int64(cutlass.max(start, Int32(0)))
+        n = Int64(cutlass.max(length, Int32(0)))
+        return Int32((p + n) // R - p // R)
+
+    def ape_row(k):
+        # ape offset of window entry k (row k % R, column half k // R), k known at run time.
+        if cutlass.const_expr(C == 1):
+            return k * D
+        return (k % R) * (2 * D) + (k // R) * D
+
+    @cute.jit
+    def request(cu, starts, slots, b, num_tokens, num_slots):
+        """(ok, first token, start, length, slot, rows) of request b. ok: its tokens lie in
+        [0, num_tokens), its slot in [0, num_slots), 0 <= start and start + length fits
+        int32; the rows of other requests are zeros and their slots stay untouched."""
+        tok0 = cu[b]
+        tok1 = cu[b + 1]
+        start = starts[b]
+        slot = slots[b]
+        length = tok1 - tok0  # int32 arithmetic, like the reference's difference
+        ok = (slot >= 0) & (slot < num_slots) & (start >= 0) & (tok0 >= 0) & (tok0 <= tok1)
+        ok = ok & (tok1 <= num_tokens) & (Int64(start) + Int64(length) <= Int64(_INT32_MAX))
+        return ok, tok0, start, length, slot, count(start, length)
+
+    @cute.jit
+    def gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q, start, tok0, slot, cv):
+        """Loads of block q's window, no arithmetic (so all are in flight at once). Entries
+        at positions >= start come from the new tokens (score into rSc), earlier ones from
+        the state (fp32 logit into rL; entry e holds position (start // R - C + 1) * R + e),
+        and those of block -1 are the forward's constants (value 0)."""
+        win0 = (q - (C - 1)) * R
+        st0 = (start // R - (C - 1)) * R
+        slot_base = Int64(slot) * slot_elems + cv * V
+        for k in cutlass.range_constexpr(W):
+            col = g.entries[k][1]
+            pos = win0 + k
+            if pos >= start:
+                off = cute.assume(Int64(tok0 + (pos - start)) * row_elems + cv * V + col,
+                                  divby=V)
+                cute.autovec_copy(cute.make_tensor(p_kv + off, V), rKV[None, k])
+                cute.autovec_copy(cute.make_tensor(p_score + off, V), rSc[None, k])
+            elif pos >= 0:
+                e = cutlass.max(cutlass.min(pos - st0, Int32(W - 1)), Int32(0))
+                off = cute.assume(slot_base + e * row_elems + col, divby=V)
+                cute.autovec_copy(cute.make_tensor(p_kvs + off, V), rKV[None, k])
+                cute.autovec_copy(cute.make_tensor(p_ss + off, V), rL[None, k])
+            else:
+                for i in cutlass.range_constexpr(V):
+                    rKV[i, k] = g.dtype(0.0)
+                    rL[i, k] = Float32(0.0)
+
+    @cute.jit
+    def finish_logits(rSc, rL, sApe, q, start, cvl):
+        """The new tokens' logits, fp32(score) + ape as the forward adds them."""
+        win0 = (q - (C - 1)) * R
+        for k in cutlass.range_constexpr(W):
+            if win0 + k >= start:
+                for i in cutlass.range_constexpr(V):
+                    rL[i, k] = cm.add_rn(Float32(rSc[i, k]), sApe[k, cvl * V + i])
+
+    @cute.jit
+    def store_row(p_out, rO, n, cv):
+        off = cute.assume(Int64(n) * D + cv * V, divby=V)
+        cute.autovec_copy(rO, cute.make_tensor(p_out + off, V))
+
+    @cute.jit
+    def zero_row(p_out, n, cv):
+        rO = cute.make_rmem_tensor((V,), g.dtype)
+        rO.fill(0.0)
+        store_row(p_out, rO, n, cv)
+
+    @cute.jit
+    def pool_store(p_out, rKV, rL, n, q, cv):
+        """Row n = block q from gathered values and logits, as the forward pools it."""
+        first = _opaque(q) == 0
+        rO = cute.make_rmem_tensor((V,), g.dtype)
+        for i in cutlass.range_constexpr(V):
+            if cutlass.const_expr(g.fast_exp):
+                res, certified = _column_fast(g, rL, rKV, i, first)
+                if not certified:  # rare: a cancelling column, NaN or infinity
+                    res = _column_exact(g, rL, rKV, i, first)
+                rO[i] = g.dtype(res)
+            else:
+                rO[i] = g.dtype(_column_exact(g, rL, rKV, i, first))
+        store_row(p_out, rO, n, cv)
+
+    @cute.jit
+    def body_row(p_kv, p_score, p_out, sApe, n, q, t0, cv, cvl):
+        """Row n = block q, whose window lies in the new tokens from t0 - (C-1)*R on: the
+        forward's code."""
+        first = _opaque(q) == 0
+        rKV = cute.make_rmem_tensor((V, W), g.dtype)
+        rS = cute.make_rmem_tensor((V, W), g.dtype)
+        load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+        rO = cute.make_rmem_tensor((V,), g.dtype)
+        for i in cutlass.range_constexpr(V):
+            if cutlass.const_expr(g.fast_exp):
+                res, certified = window._output_fast(g, rKV, rS, sApe, i, cvl, first)
+                if not certified:
+                    res = window._output_exact(g, rKV, rS, sApe, i, cvl, first)
+                rO[i] = g.dtype(res)
+            else:
+                rO[i] = g.dtype(window._output_exact(g, rKV, rS, sApe, i, cvl, first))
+        store_row(p_out, rO, n, cv)
+
+    @cute.jit
+    def update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start, end, slot, cv, cvl):
+        """SPEC 8's state for `end` tokens: entry e then holds position
+        (end // R - C + 1) * R + e where that is < end (new tokens, a moved entry, or the
+        initial state before position 0); other entries stay. Ascending e, loads of a group
+        before its stores: a moved entry's source, e + (end // R - start // R) * R > e, is
+        read before anything writes it."""
+        shift = (end // R - start // R) * R
+        st1 = (end // R - (C - 1)) * R
+        slot_base = Int64(slot) * slot_elems + cv * V
+        for e0 in cutlass.range_constexpr(0, W, group):
+            span = min(group, W - e0)
+            rK = cute.make_rmem_tensor((V, span, C), g.dtype)
+            rN = cute.make_rmem_tensor((V, span, C), g.dtype)
+            rF = cute.make_rmem_tensor((V, span, C), Float32)
+            for j in cutlass.range_constexpr(span):
+                pos = st1 + (e0 + j)
+                if pos < end:
+                    if pos >= start:
+                        tok = Int64(tok0 + (pos - start)) * row_elems + cv * V
+                        for h in cutlass.range_constexpr(C):
+                            off = cute.assume(tok + h * D, divby=V)
+                            cute.autovec_copy(cute.make_tensor(p_kv + off, V), rK[None, j, h])
+                            cute.autovec_copy(cute.make_tensor(p_score + off, V),
+                                              rN[None, j, h])
+                    elif pos >= 0 and shift != 0:
+                        src = cutlass.min(shift + (e0 + j), Int32(W - 1))
+                        for h in cutlass.range_constexpr(C):
+                            off = cute.assume(slot_base + src * row_elems + h * D, divby=V)
+                            cute.autovec_copy(cute.make_tensor(p_kvs + off, V), rK[None, j, h])
+                            cute.autovec_copy(cute.make_tensor(p_ss + off, V), rF[None, j, h])
+            for j in cutlass.range_constexpr(span):
+                e = e0 + j
+                pos = st1 + e
+                if pos < end:
+                    dst = slot_base + e * row_elems
+                    if pos >= start:
+                        for h in cutlass.range_constexpr(C):
+                            for i in cutlass.range_constexpr(V):
+                                rF[i, j, h] = cm.add_rn(Float32(rN[i, j, h]),
+                                                        sApe[h * R + e % R, cvl * V + i])
+                    if pos >= start or (pos >= 0 and shift != 0):
+                        for h in cutlass.range_constexpr(C):
+                            off = cute.assume(dst + h * D, divby=V)
+                            cute.autovec_copy(rK[None, j, h], cute.make_tensor(p_kvs + off, V))
+                            cute.autovec_copy(rF[None, j, h], cute.make_tensor(p_ss + off, V))
+                    elif pos < 0:  # before the sequence (coff 2, no complete block yet)
+                        rZ = cute.make_rmem_tensor((V,), g.dtype)
+                        rZ.fill(0.0)
+                        rI = cute.make_rmem_tensor((V,), Float32)
+                        rI.fill(float("-inf"))
+                        for h in cutlass.range_constexpr(C):
+                            off = cute.assume(dst + h * D, divby=V)
+                            cute.autovec_copy(rZ, cute.make_tensor(p_kvs + off, V))
+                            cute.autovec_copy(rI, cute.make_tensor(p_ss + off, V))
+
+    @cute.kernel
+    def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
+               num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
+        cm.await_upstream(g.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        bx = bid // g.ny
+        by = bid % g.ny
+        ry = tid // g.cvc
+        cvl = tid % g.cvc
+        cv = by * g.cvc + cvl
+        item0 = bx * g.rpc
+        item = item0 + ry  # < num_reqs: request `item`; else output row item - num_reqs
+        cu = cute.make_tensor(p_cu, num_reqs + 1)
+        starts = cute.make_tensor(p_starts, num_reqs + 1)
+        slots = cute.make_tensor(p_slots, num_reqs + 1)
+        cuc = cute.make_tensor(p_cuc, num_reqs + 1)
+        smem = SmemAllocator()
+        sApe = smem.allocate_tensor(Float32, window._ape_layout(g), 16)
+        sReq = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
+        sBase = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(warps), 4)
+        active = tid < g.threads and (not g.ragged_cols or cv < g.tpr)
+
+        # A request's first row issues its window loads before the scan (latency).
+        rKV = cute.make_rmem_tensor((V, W), g.dtype)
+        rSc = cute.make_rmem_tensor((V, W), g.dtype)
+        rL = cute.make_rmem_tensor((V, W), Float32)
+        ok = cutlass.Boolean(False)
+        tok0 = Int32(0)
+        start = Int32(0)
+        length = Int32(0)
+        slot = Int32(0)
+        heads = Int32(0)
+        if active and item < num_reqs:
+            ok, tok0, start, length, slot, rows = request(cu, starts, slots, item, num_tokens,
+                                                          num_slots)
+            heads = cutlass.min(rows, Int32(C))
+            if ok and heads > 0:
+                gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, start // R, start, tok0, slot,
+                       cv)
+
+        # The CTA's column chunk of ape, (W, cvc*V) fp32, as the forward stages it.
+        for kk in cutlass.range_constexpr(-(-(W * g.cvc) // nt)):
+            idx = tid + kk * nt
+            k = idx // g.cvc
+            c = idx % g.cvc
+            col_v = by * g.cvc + c
+            if idx < W * g.cvc and (not g.ragged_cols or col_v < g.tpr):
+                src = cute.assume(ape_row(k) + col_v * V, divby=V)
+                dst = cute.assume(k * (g.cvc * V) + c * V, divby=V)
+                cute.autovec_copy(cute.make_tensor(p_ape + src, V),
+                                  cute.make_tensor(sApe.iterator + dst, V))
+        if tid < g.rpc:
+            sReq[tid] = Int32(-1)
+
+        # Row offsets: thread t counts the rows of a contiguous run of requests, a block
+        # scan gives each run its first row (int32, wrapping like the reference's cast).
+        per = (num_reqs + (nt - 1)) // nt
+        b_lo = cutlass.min(tid * per, num_reqs)
+        b_hi = cutlass.min(b_lo + per, num_reqs)
+        local = Int32(0)
+        for b in cutlass.range(b_lo, b_hi):
+            local = local + count(starts[b], cu[b + 1] - cu[b])
+        lane = tid % 32
+        incl = local
+        for j in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << j)
+            if lane >= (1 << j):
+                incl = incl + up
+        if lane == 31:
+            sWarp[tid // 32] = incl
+        cute.arch.sync_threads()
+        running = incl - local
+        total = Int32(0)
+        for w in cutlass.range_constexpr(warps):
+            part = sWarp[w]
+            if w < tid // 32:
+                running = running + part
+            total = total + part
+        # Each request records its first row for its own item and its request for the
+        # CTA's row items it covers (at most rpc iterations per CTA in all).
+        row_lo = cutlass.max(item0 - num_reqs, Int32(0))
+        row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
+        for b in cutlass.range(b_lo, b_hi):
+            rows_b = count(starts[b], cu[b + 1] - cu[b])
+            if bid == 0:
+                cuc[b] = running
+            if b >= item0 and b < item0 + g.rpc:
+                sBase[b - item0] = running
+            for n in cutlass.range(cutlass.max(running, row_lo),
+                                   cutlass.min(running + rows_b, row_hi)):
+                sReq[n + num_reqs - item0] = b
+                sBase[n + num_reqs - item0] = running
+            running = running + rows_b
+        if bid == 0 and tid == 0:
+            cuc[num_reqs] = total
+        cute.arch.sync_threads()
+
+        if active:
+            if item < num_reqs:
+                base = sBase[ry]
+                if ok:
+                    q0 = start // R
+                    for h in cutlass.range_constexpr(C):
+                        if h < heads:
+                            if cutlass.const_expr(h > 0):
+                                gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q0 + h, start,
+                                       tok0, slot, cv)
+                            finish_logits(rSc, rL, sApe, q0 + h, start, cvl)
+                            if base + h >= 0 and base + h < num_rows:
+                                pool_store(p_out, rKV, rL, base + h, q0 + h, cv)
+                    update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start, start + length,
+                                 slot, cv, cvl)
+                else:
+                    for h in cutlass.range_constexpr(C):
+                        if h < heads and base + h >= 0 and base + h < num_rows:
+                            zero_row(p_out, base + h, cv)
+            else:
+                n = item - num_reqs
+                if n < num_rows:
+                    b = sReq[ry]
+                    if b < 0:  # padding, or a row no request covers
+                        zero_row(p_out, n, cv)
+                    else:
+                        ok_b, tok_b, start_b, _, _, rows_b = request(cu, starts, slots, b,
+                                                                     num_tokens, num_slots)
+                        h = n - sBase[ry]
+                        if h >= cutlass.min(rows_b, Int32(C)):  # else the request's item
+                            if ok_b and h < rows_b:
+                                q = start_b // R + h
+                                body_row(p_kv, p_score, p_out, sApe, n, q,
+                                         tok_b + (q * R - start_b), cv, cvl)
+                            else:
+                                zero_row(p_out, n, cv)
+
+    @cute.jit
+    def launch(p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
+               p_cu: cute.Pointer, p_starts: cute.Pointer, p_slots: cute.Pointer,
+               p_kvs: cute.Pointer, p_ss: cute.Pointer, p_out: cute.Pointer,
+               p_cuc: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_reqs: Int32,
+               num_slots: Int32, grid: Int32, stream: cuda.CUstream):
+        kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
+               num_tokens, num_rows, num_reqs, num_slots).launch(
+            grid=(grid * g.ny, 1, 1), block=(nt, 1, 1), smem=smem_bytes, stream=stream,
+            use_pdl=g.pdl)
+
+    return launch
+
+
+def launch_entry(key: KernelKey):
+    """The `@cute.jit` launch entry; its arguments are host.ARGUMENTS["ext"], the stream."""
+    return _build(key)

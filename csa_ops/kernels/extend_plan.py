@@ -1,0 +1,40 @@
+"""csa::compressor_extend kernel, host side: key, support, launch plan (no DSL import).
+
+The extend kernel (kernels/extend.py) compiles from the register-window forward key of its
+problem: the key's geometry and fast_exp flag fix the bits of a row (window.py's per-column
+softmax), so emitted rows equal the forward's bit for bit. Larger windows (the streaming
+family) have no extend kernel: the op runs its reference there.
+"""
+
+from __future__ import annotations
+
+from ..config import KernelKey, LaunchPlan, with_knobs
+from . import window_plan
+
+WINDOW_MAX = window_plan.WINDOW_MAX  # the largest window (coff * ratio) with a kernel
+
+
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+              **overrides: int) -> KernelKey:
+    """The forward's heuristic key (window_plan.configure), `overrides` set knobs by name."""
+    key = window_plan.configure(ratio, coff, head_dim, dtype, arch, False)
+    return with_knobs(key, **overrides) if overrides else key
+
+
+def supports(key: KernelKey) -> bool:
+    return window_plan.supports(key)
+
+
+def plan(key: KernelKey, num_requests: int, num_rows: int) -> LaunchPlan:
+    """One CTA per `rpc` work items (each request's state, then each output row) and
+    column chunk; at least one CTA, which writes cu_seqlens_comp."""
+    g = window_plan.geometry(key)
+    return LaunchPlan(grid=max(1, -(-(num_requests + num_rows) // g.rpc)))
+
+
+def launch_entry(key: KernelKey):
+    """The `@cute.jit` launch entry (imports the DSL); its arguments are
+    host.ARGUMENTS["ext"] then the stream."""
+    from . import extend
+
+    return extend.launch_entry(key)

@@ -1,0 +1,99 @@
+"""csa::compressor_extend's CuTe-DSL kernel without a GPU: it cross-compiles for sm_90a and
+sm_100a through the shared compile cache, its launch plan and support envelope, and a PTX
+audit that its rows pool with exactly the forward kernel's per-column operations (the
+bitwise contract against the CUDA csa::compressor rests on it; tests/gpu checks the bits).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from csa_ops import host
+from csa_ops.config import LaunchPlan
+from csa_ops.kernels import extend_plan, window_plan
+
+ARCHS = ("sm_90a", "sm_100a")
+CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide window, dtypes
+    (4, 2, 512, torch.bfloat16),
+    (4, 1, 128, torch.bfloat16),
+    (2, 2, 512, torch.bfloat16),
+    (16, 2, 64, torch.bfloat16),
+    (4, 2, 512, torch.float16),
+    (4, 2, 128, torch.float32),
+)
+
+
+def _cid(cfg):
+    ratio, coff, head_dim, dtype = cfg
+    return f"r{ratio}_c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[_cid(c) for c in CONFIGS])
+def test_extend_kernel_cross_compiles(cfg, arch):
+    ratio, coff, head_dim, dtype = cfg
+    before = host.cache_info()
+    key = host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
+    # The forward's own key: its flags (fast_exp) fix the bits of a row.
+    assert key == window_plan.configure(ratio, coff, head_dim, key.dtype, arch, False)
+    assert key == extend_plan.configure(ratio, coff, head_dim, key.dtype, arch)
+    after = host.cache_info()
+    assert after["size"] - before["size"] == 1
+    host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
+    assert host.cache_info()["misses"] == after["misses"]  # second call: a cache hit
+
+
+_POOL_OPS = ("ex2.approx", "fma.rn.f32", "fma.rm.f32", r"\tmul.f32", r"\tadd.f32", "selp.f32",
+             "mul.rn.f32", "div.rn.f32", "max.NaN.f32", "setp.ge.f32")
+
+
+@pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16"),
+                                 (4, 2, 128, "float16")], ids=("r4c2_bf16", "r4c1", "fp16"))
+def test_rows_pool_with_the_forward_operations(cfg):
+    # The kernel pools at one site per head row (coff of them: they may read the state) and
+    # one for rows of new tokens; each must compile to the forward's per-row operations,
+    # no more and no fewer (a folded select, say, would let an FMA contract). The only
+    # other float arithmetic is the state's logits: one add per entry, half and column.
+    key = extend_plan.configure(*cfg, "sm_90a")
+    ext, fwd = host.ptx("ext", key), host.ptx("fwd", key)
+    sites = key.coff + 1
+    for op in _POOL_OPS:
+        assert len(re.findall(op, ext)) == sites * len(re.findall(op, fwd)), op
+    state_logits = key.window * key.coff * key.knobs.vec
+    assert ext.count("add.rn.f32") == sites * fwd.count("add.rn.f32") + state_logits
+    assert "ld.local" not in ext and "st.local" not in ext
+
+
+def test_plan_covers_requests_then_rows():
+    key = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
+    rpc = window_plan.geometry(key).rpc
+    assert extend_plan.plan(key, 0, 0) == LaunchPlan(grid=1)  # still writes cu_seqlens_comp
+    assert extend_plan.plan(key, 256, 64) == LaunchPlan(grid=-(-320 // rpc))
+    assert extend_plan.plan(key, 1, 0) == LaunchPlan(grid=1)
+
+
+def test_support_is_the_register_window_family():
+    assert extend_plan.supports(extend_plan.configure(16, 2, 64, "bfloat16", "sm_90a"))
+    assert extend_plan.supports(extend_plan.configure(32, 1, 64, "float32", "sm_100a"))
+    assert not extend_plan.supports(extend_plan.configure(32, 2, 64, "bfloat16", "sm_90a"))
+    streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
+    assert streaming.family == "streaming" and not extend_plan.supports(streaming)
+    with pytest.raises(ValueError, match="no extend kernel for ratio=128"):
+        host.precompile_extend(128, 512, 1, torch.bfloat16, arch="sm_90a")
+    with pytest.raises(ValueError, match="arch"):
+        host.precompile_extend(4, 128, 2, torch.bfloat16, arch="sm_75")
+    with pytest.raises(ValueError, match="dtype"):
+        host.precompile_extend(4, 128, 2, torch.float64, arch="sm_90a")
+
+
+def test_argument_table_of_the_extend_kernel():
+    names = [name for name, _ in host.ARGUMENTS["ext"]]
+    assert names[-5:] == ["num_tokens", "num_rows", "num_requests", "num_slots", "grid"]
+    key = extend_plan.configure(4, 2, 128, "bfloat16", "sm_90a")
+    signature = host.launch_signature("ext", key)
+    assert signature[names.index("score_state")] == ("ptr", "float32", 16)
+    assert signature[names.index("kv_state")] == ("ptr", "bfloat16", key.align_bytes)
+    assert host.DIRECTIONS == ("fwd", "bwd")  # precompile's pair stays the compressor's

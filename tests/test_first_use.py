@@ -1,0 +1,48 @@
+"""What a new user runs first: the README's ``csa_ops.precompile`` line and the demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import csa_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_precompile_defaults_to_bfloat16(tmp_path, monkeypatch):
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))  # keep the user's cache untouched
+    keys = csa_ops.precompile(ratio=4, head_dim=128, coff=2, arch="sm_90a")  # cross-compiles
+    assert len(keys) == 2  # forward and backward
+    keys = keys.values() if isinstance(keys, dict) else keys
+    assert {key.dtype for key in keys} == {"bfloat16"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_precompile_without_arch_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="arch"):
+        csa_ops.precompile(ratio=4, head_dim=128, coff=2)
+
+
+def test_numpy_is_a_dependency():
+    """torch imports without numpy but warns "Failed to initialize NumPy" at every start."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "numpy" in {dep.split(">")[0].split("=")[0].strip() for dep in project["dependencies"]}
+
+
+@pytest.mark.slow
+def test_demo_runs_without_warnings(tmp_path):
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                        "CSA_OPS_CACHE_DIR": str(tmp_path / "kernels")}
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "csa_ops.demo",
+                           "--iters", "1"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "NumPy" not in done.stderr
+    assert "eager and compiled match the reference" in done.stdout
