@@ -74,12 +74,12 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
             kv, score, ape, cu, cuc, ratio, coff, rows)),
         "validation_full_us": _per_call_us(lambda: validation.check_arguments(
             kv, score, ape, cu, cuc, ratio, coff, rows)),
-        "validation_memoized_us": _per_call_us(lambda: ops._prepared_cuda(
-            "fwd", args, ratio, coff, rows, None)),
+        "signature_lookup_us": _per_call_us(
+            lambda: ops._PREPARED.get(ops._signature(args, ratio, coff, rows))),
         "prepared_call_us": _per_call_us(lambda: call(kv, score, ape, cu, cuc)),
         "empty_out_us": _per_call_us(lambda: torch.empty(
             (rows, kv.shape[1] // coff), dtype=kv.dtype, device=kv.device)),
-        "launch_us": _per_call_us(lambda: launch(values, stream)),
+        "launch_us": _per_call_us(lambda: launch(*values, stream)),
         "torch_add_us": _per_call_us(lambda: torch.add(kv, score)),
     }
 

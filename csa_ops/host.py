@@ -128,12 +128,14 @@ def ptx(direction: str, key: KernelKey) -> str:
 # Compile cache
 
 
-def _compile(direction: str, key: KernelKey) -> Any:
-    """JIT one direction of ``key`` (the DSL is imported here, and only here)."""
+def _compile(direction: str, key: KernelKey, engine: bool = True) -> Any:
+    """JIT one direction of ``key`` (the DSL is imported here, and only here); without
+    ``engine`` the result is only good for export (the disk cache loads what it exports)."""
     from .kernels import entry
 
     return entry.compile_entry(_launch_entry(direction, key), key.arch,
-                               launch_signature(direction, key), tvm_ffi=launcher.TVM_FFI)
+                               launch_signature(direction, key), tvm_ffi=launcher.TVM_FFI,
+                               engine=engine)
 
 
 class _CompileCache:
@@ -146,10 +148,10 @@ class _CompileCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, KernelKey], Callable[[list[int], int], None]] = {}
+        self._entries: dict[tuple[str, KernelKey], launcher.Launch] = {}
         self.hits = self.misses = self.disk_loads = 0
 
-    def get(self, direction: str, key: KernelKey) -> Callable[[list[int], int], None]:
+    def get(self, direction: str, key: KernelKey) -> launcher.Launch:
         entry = self._entries.get((direction, key))
         if entry is not None:
             self.hits += 1
@@ -162,19 +164,20 @@ class _CompileCache:
                 self.hits += 1
         return entry
 
-    def _build(self, direction: str, key: KernelKey) -> Callable[[list[int], int], None]:
+    def _build(self, direction: str, key: KernelKey) -> launcher.Launch:
         signature = launch_signature(direction, key)
+        kernel = None
         if launcher.TVM_FFI and kernel_cache.enabled():
             ident = kernel_cache.identity(f"{direction} {key!r}", signature)
+            # Compiled for export only: the kernel comes back loaded from the cache entry.
             kernel, built = kernel_cache.get_or_build(
-                ident, lambda: self._compile_now(direction, key))
-            if not built:
-                self.disk_loads += 1
-        else:
+                ident, lambda: self._compile_now(direction, key, engine=False))
+            self.disk_loads += not built
+        if kernel is None:  # no cache, or its entry could not be written or loaded
             kernel = self._compile_now(direction, key)
         return launcher.make_launcher(kernel, signature)
 
-    def _compile_now(self, direction: str, key: KernelKey) -> Any:
+    def _compile_now(self, direction: str, key: KernelKey, engine: bool = True) -> Any:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"csa_ops: the {direction} kernel for {key} is not compiled and a CUDA graph "
@@ -183,15 +186,16 @@ class _CompileCache:
                 f"{key.dtype}) (or run the op once eagerly) before capturing."
             )
         self.misses += 1
-        return _compile(direction, key)
+        return _compile(direction, key, engine)
 
     def export(self, direction: str, key: KernelKey, root) -> bool:
         """Make sure the disk cache under ``root`` holds this kernel (cross-compiling:
         nothing is loaded); True when it had to be compiled."""
         ident = kernel_cache.identity(f"{direction} {key!r}", launch_signature(direction, key))
         with self._lock:
-            _, built = kernel_cache.get_or_build(ident, lambda: self._compile_now(direction, key),
-                                                 root=root, load=False)
+            _, built = kernel_cache.get_or_build(
+                ident, lambda: self._compile_now(direction, key, engine=False), root=root,
+                load=False)
         return built
 
     def info(self) -> dict[str, int]:
@@ -367,17 +371,16 @@ def _needs_device_switch(index: int) -> bool:
 
 
 def _launcher_for(problem: Problem, direction: str):
-    """launch(values) on the current stream of the problem's device."""
-    launch = _CACHE.get(direction, problem.key)
-    index = problem.device_index
-    stream = launcher.current_stream_handle
+    """kernel(*values, stream) and the stream query of the problem's device; on a machine
+    with several GPUs, the kernel call first makes that device current (kernels launch
+    into the current context)."""
+    kernel = _CACHE.get(direction, problem.key)
     if not _multi_gpu():
-        return lambda values: launch(values, stream(index))
+        return kernel
 
-    def switching(values):
-        # Kernels launch into the current context: make it the tensors' device.
-        with torch.cuda.device(index):
-            launch(values, stream(index))
+    def switching(*values):
+        with torch.cuda.device(problem.device_index):
+            kernel(*values)
 
     return switching
 
@@ -391,46 +394,62 @@ def _realigned(tensors: list[torch.Tensor], align: tuple[int, ...]):
     return [t.data_ptr() for t in copies], copies
 
 
+# The prepared calls below are the per-call hot path: everything that depends only on the
+# call's metadata is computed once in prepare_*, and each call makes its inputs contiguous,
+# upcasts ape to the kernels' fp32 (exact) and allocates its outputs, then launches.
+
+
 def prepare_forward(problem: Problem, num_tokens: int, total_comp: int, num_segs: int,
-                    dtype: torch.dtype, device: torch.device):
-    """forward(kv, score, ape32, cu, cuc) -> out for one validated call signature: the plan,
-    the kernel and the launch values that depend only on it are fixed here, once."""
+                    dtype: torch.dtype, device: torch.device, upcast_ape: bool):
+    """forward(kv, score, ape, cu, cuc) -> out for one validated call signature."""
     key = problem.key
     shape = (total_comp, key.head_dim)
     if total_comp == 0:
         return lambda *tensors: torch.empty(shape, dtype=dtype, device=device)
     plan = problem.family.plan_forward(key, num_tokens, total_comp, problem.num_sms)
-    launch = _launcher_for(problem, "fwd")
+    kernel = _launcher_for(problem, "fwd")
+    stream, index = launcher.current_stream_handle, problem.device_index
     align = (key.align_bytes, key.align_bytes, 16, 4, 4, key.align_bytes)
-    data_align, tail = key.align_bytes, [num_tokens, total_comp, num_segs, plan.grid]
+    data_align, tail = key.align_bytes, (num_tokens, total_comp, num_segs, plan.grid)
     workspace = plan.workspace
 
     def forward(kv, score, ape, cu, cuc):
-        out = torch.empty(shape, dtype=dtype, device=device)
+        kv, score, ape = kv.contiguous(), score.contiguous(), ape.contiguous()
+        cu, cuc = cu.contiguous(), cuc.contiguous()
+        if upcast_ape:
+            ape = ape.float()
+        out = kv.new_empty(shape)
         tensors = [kv, score, ape, cu, cuc, out]
         pointers = [t.data_ptr() for t in tensors]
         if (pointers[0] | pointers[1]) % data_align or pointers[2] % 16:
             pointers, tensors = _realigned(tensors, align)
         work = torch.empty(workspace, dtype=torch.float32, device=device) if workspace else out
-        launch([*pointers, work.data_ptr(), *tail])
+        kernel(*pointers, work.data_ptr(), *tail, stream(index))
         return out
 
     return forward
 
 
 def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs: int,
-                     ape_shape, device: torch.device):
-    """backward(grad_out, kv, score, ape32, cu, cuc) -> (grad_kv, grad_score, grad_ape32)
-    for one validated call signature; never-consumed elements are exact zeros."""
+                     ape_shape, ape_dtype: torch.dtype, device: torch.device):
+    """backward(grad_out, kv, score, ape, cu, cuc) -> (grad_kv, grad_score, grad_ape) for
+    one validated call signature; never-consumed elements are exact zeros, grad_ape is
+    reduced in fp32 and rounded once to ape's dtype."""
     key = problem.key
     plan = problem.family.plan_backward(key, num_tokens, num_rows, problem.num_sms)
-    launch = _launcher_for(problem, "bwd")
+    kernel = _launcher_for(problem, "bwd")
+    stream, index = launcher.current_stream_handle, problem.device_index
     a = key.align_bytes
     align = (a, a, a, 16, 4, 4, a, a, 16)
-    tail = [num_tokens, num_rows, num_segs, plan.grid]
+    tail = (num_tokens, num_rows, num_segs, plan.grid)
     workspace = plan.workspace
+    upcast_ape = ape_dtype != torch.float32
 
     def backward(grad_out, kv, score, ape, cu, cuc):
+        grad_out, kv, score = grad_out.contiguous(), kv.contiguous(), score.contiguous()
+        ape, cu, cuc = ape.contiguous(), cu.contiguous(), cuc.contiguous()
+        if upcast_ape:
+            ape = ape.float()
         grad_kv = torch.empty_like(kv)
         grad_score = torch.empty_like(score)
         grad_ape = torch.empty(ape_shape, dtype=torch.float32, device=device)
@@ -440,25 +459,24 @@ def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs:
             pointers, tensors = _realigned(tensors, align)
         work = torch.empty(workspace, dtype=torch.float32, device=device) if workspace \
             else grad_ape
-        launch([*pointers, work.data_ptr(), *tail])
-        return grad_kv, grad_score, grad_ape
+        kernel(*pointers, work.data_ptr(), *tail, stream(index))
+        return grad_kv, grad_score, grad_ape.to(ape_dtype) if upcast_ape else grad_ape
 
     return backward
 
 
 def prepare(direction: str, tensors, ratio: int, coff: int, total_comp):
-    """The prepared kernel call of a validated call signature, None when no kernel runs it
-    (the reference does). ``tensors``: the op's tensor arguments in schema order; ape may
-    have any float dtype (the caller passes it upcast to fp32)."""
+    """The prepared kernel call of a validated call signature (the op's tensor arguments in
+    schema order), None when no kernel runs it (the reference does)."""
     kv, score, ape, cu, cuc = tensors[-5:]
     found = problem("bwd" if direction == "bwd" else "fwd", kv, score, cu, cuc, ratio, coff)
     if found is None:
         return None
     if direction == "bwd":
         return prepare_backward(found, kv.shape[0], tensors[0].shape[0], cu.shape[0] - 1,
-                                ape.shape, kv.device)
+                                ape.shape, ape.dtype, kv.device)
     return prepare_forward(found, kv.shape[0], total_comp, cu.shape[0] - 1, kv.dtype,
-                           kv.device)
+                           kv.device, ape.dtype != torch.float32)
 
 
 def _prepared(direction, tensors, ratio, coff, total_comp):
@@ -473,14 +491,13 @@ def _prepared(direction, tensors, ratio, coff, total_comp):
 def run_forward(kv, score, ape, cu, cuc, ratio: int, coff: int, total_comp: int):
     """The forward kernel on validated inputs (tests and benchmarks call the kernels here)."""
     tensors = (kv, score, ape, cu, cuc)
-    return _prepared("fwd", tensors, ratio, coff, total_comp)(kv, score, ape.float(), cu, cuc)
+    return _prepared("fwd", tensors, ratio, coff, total_comp)(*tensors)
 
 
 def run_backward(grad_out, kv, score, ape, cu, cuc, ratio: int, coff: int):
-    """The backward kernels on validated inputs; grad_ape in fp32."""
+    """The backward kernels on validated inputs; grad_ape in ape's dtype."""
     tensors = (grad_out, kv, score, ape, cu, cuc)
-    return _prepared("bwd", tensors, ratio, coff, None)(grad_out, kv, score, ape.float(), cu,
-                                                         cuc)
+    return _prepared("bwd", tensors, ratio, coff, None)(*tensors)
 
 
 def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> None:
@@ -489,7 +506,7 @@ def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> Non
     num_segs)."""
     launch = _CACHE.get(direction, key)
     index = tensors[0].device.index or 0
-    launch([t.data_ptr() for t in tensors] + [*sizes, grid],
+    launch(*[t.data_ptr() for t in tensors], *sizes, grid,
            launcher.current_stream_handle(index))
 
 
@@ -510,9 +527,15 @@ def extend_problem(kv: torch.Tensor, kv_state: torch.Tensor, score_state: torch.
     found = _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, "fwd")
     if found is None or not extend_plan.supports(found.key):
         return None
-    if kv_state.data_ptr() % found.key.align_bytes or score_state.data_ptr() % 16:
+    problem = _EXTEND.get(found)
+    if problem is None:
+        problem = _EXTEND[found] = found._replace(key=extend_plan.from_forward(found.key))
+    if kv_state.data_ptr() % problem.key.align_bytes or score_state.data_ptr() % 16:
         return None
-    return found
+    return problem
+
+
+_EXTEND: dict[Problem, Problem] = {}  # forward problem -> extend problem
 
 
 def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
@@ -530,16 +553,18 @@ def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
     cuc = torch.empty(num_requests + 1, dtype=torch.int32, device=kv.device)
     plan = extend_plan.plan(key, num_requests, num_rows)
     tensors = (kv, score, ape, cu, start_pos, slots, kv_state, score_state, out, cuc)
-    values = [t.data_ptr() for t in tensors]
+    # An empty tensor may sit at address 0; the kernel never touches one, and any live
+    # address serves: ape's (never empty, 16-byte aligned).
+    values = [t.data_ptr() or ape.data_ptr() for t in tensors]
     values += [kv.shape[0], num_rows, num_requests, kv_state.shape[0], plan.grid]
     launch = _CACHE.get("ext", key)
     index = problem.device_index
     stream = launcher.current_stream_handle(index)
     if _needs_device_switch(index):
         with torch.cuda.device(index):
-            launch(values, stream)
+            launch(*values, stream)
     else:
-        launch(values, stream)
+        launch(*values, stream)
     return out, cuc
 
 
@@ -563,5 +588,6 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
         raise ValueError(f"precompile_extend: no extend kernel for ratio={ratio}, coff={coff}, "
                          f"head_dim={head_dim}, dtype={dtype} (windows up to "
                          f"{extend_plan.WINDOW_MAX} only)")
+    key = extend_plan.from_forward(key)
     _CACHE.get("ext", key)
     return key

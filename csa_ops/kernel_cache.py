@@ -243,8 +243,10 @@ def _locked(root: pathlib.Path, name: str) -> Iterator[None]:
 def get_or_build(ident: dict[str, str], build: Callable[[], Any], *,
                  root: pathlib.Path | None = None, load: bool = True) -> tuple[Any, bool]:
     """(kernel, built): the cached kernel when a valid entry exists, else ``build()``'s
-    result, exported for the next process. ``load=False`` (cross-compiling) only makes
-    sure the entry exists and returns None for it when it did."""
+    export, stored for the next process and loaded from there. ``build`` may return a
+    kernel compiled for export only (no in-process engine). kernel is None when the entry
+    could not be written or loaded (the caller compiles in memory), and always with
+    ``load=False`` (cross-compiling: only makes sure the entry exists)."""
     root = directory() if root is None else root
     root.mkdir(parents=True, exist_ok=True)
     name = entry_name(ident)
@@ -260,21 +262,20 @@ def get_or_build(ident: dict[str, str], build: Callable[[], Any], *,
             warnings.warn(f"csa_ops: discarding kernel cache entry {root / name} ({why}); "
                           f"rebuilding it", RuntimeWarning, stacklevel=3)
             _discard(root, name)
-        compiled = build()
         try:
-            _store(compiled, root, name, ident)
+            _store(build(), root, name, ident)
         except (OSError, subprocess.CalledProcessError) as error:
             warnings.warn(f"csa_ops: could not write kernel cache entry {root / name} "
                           f"({error}); the kernel runs from memory", RuntimeWarning,
                           stacklevel=3)
-            return compiled, True
+            return None, True
         if not load:
             return None, True
-        # The stored library, not the in-process object: the bare TVM-FFI function (the
-        # DSL's wrapper re-converts pointer arguments in Python per call), and the same
-        # binary every later process loads.
+        # The stored library: the bare TVM-FFI function (the DSL's in-process wrapper
+        # re-converts pointer arguments in Python per call), the binary later processes load.
         try:
             return _read_entry(root, name, ident), True
-        except Rejected:
-            return compiled, True
-
+        except Rejected as why:
+            warnings.warn(f"csa_ops: kernel cache entry {root / name} failed to load ({why}); "
+                          f"the kernel runs from memory", RuntimeWarning, stacklevel=3)
+            return None, True

@@ -19,16 +19,7 @@ import torch
 TVM_FFI = (os.environ.get("CSA_OPS_TVM_FFI", "1") != "0"
            and importlib.util.find_spec("tvm_ffi") is not None)
 
-Launch = Callable[[Sequence[int], int], None]  # launch(values in ARGUMENTS order, stream)
-
-
-def tvm_ffi_launcher(compiled: Any) -> Launch:
-    """A TVM-FFI function (compiled now or loaded from the disk cache) takes plain ints."""
-
-    def launch(values: Sequence[int], stream: int) -> None:
-        compiled(*values, stream)
-
-    return launch
+Launch = Callable[..., None]  # launch(*values in ARGUMENTS order, stream)
 
 
 class PublicLauncher:
@@ -50,13 +41,16 @@ class PublicLauncher:
             (lambda v, t=dsl_type(slot[1]), a=slot[2]: make_ptr(t, v, gmem, assumed_align=a))
             if slot[0] == "ptr" else None for slot in signature]
 
-    def __call__(self, values: Sequence[int], stream: int) -> None:
+    def __call__(self, *values_and_stream: int) -> None:
+        *values, stream = values_and_stream
         args = [make(v) if make else self._int32(v) for make, v in zip(self._makers, values)]
         self._compiled(*args, self._stream(stream))
 
 
 def make_launcher(compiled: Any, signature: Sequence[tuple]) -> Launch:
-    return tvm_ffi_launcher(compiled) if TVM_FFI else PublicLauncher(compiled, signature)
+    """A TVM-FFI function (compiled now or loaded from the disk cache) is called as it is:
+    it takes the values and the stream as plain ints."""
+    return compiled if TVM_FFI else PublicLauncher(compiled, signature)
 
 
 def _public_stream_handle(device_index: int) -> int:

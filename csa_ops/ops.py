@@ -61,23 +61,32 @@ def _compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_
                                           total_comp)
 
 
-# Metadata signature of a CUDA call -> its prepared kernel call (host.prepare), or _REFERENCE
-# when no kernel runs it. A signature seen before passed every metadata check and was
-# resolved, so repeated calls skip both (they cost more Python than the launch itself).
+# Metadata signature of a CUDA call -> its prepared call (host.prepare, or the reference when
+# no kernel runs it). A signature seen before passed every metadata check and was resolved,
+# so repeated calls skip both (they cost more Python than the launch itself).
 _PREPARED: dict[tuple, object] = {}
-_REFERENCE = object()
 _PREPARED_MAX = 4096
 
 
-def _prepared_cuda(direction, tensors, ratio, coff, total_comp, check):
+def _signature(tensors, *scalars):
     try:
-        signature = (*[(t.shape, t.dtype, t.device) for t in tensors], ratio, coff, total_comp)
+        return (*[(t.shape, t.dtype, t.device) for t in tensors], *scalars)
     except AttributeError:  # not a tensor: the full check names the argument
-        signature = None
-    call = _PREPARED.get(signature) if signature is not None else None
+        return None
+
+
+def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check):
+    check()
+    call = _host().prepare(direction, tensors, ratio, coff, total_comp)
     if call is None:
-        check()
-        call = _host().prepare(direction, tensors, ratio, coff, total_comp) or _REFERENCE
+        run = (reference.compressor_backward_reference if direction == "bwd"
+               else reference.compressor_reference)
+        scalars = (ratio, coff) if direction == "bwd" else (ratio, coff, total_comp)
+
+        def call(*args):
+            return run(*_contiguous(*args), *scalars)
+
+    if signature is not None:
         if len(_PREPARED) >= _PREPARED_MAX:
             _PREPARED.clear()
         _PREPARED[signature] = call
@@ -85,19 +94,16 @@ def _prepared_cuda(direction, tensors, ratio, coff, total_comp, check):
 
 
 def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     if total_comp is None:
         # The documented host sync of the None form (validation first: cuc may be anything).
-        validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+        validation.check_arguments(*args, ratio, coff)
         total_comp = int(cu_seqlens_comp[-1])
-    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
-    call = _prepared_cuda("fwd", args, ratio, coff, total_comp,
-                          lambda: validation.check_arguments(*args, ratio, coff, total_comp))
-    kv, score, ape, cu_seqlens, cu_seqlens_comp = _contiguous(*args)
-    if call is _REFERENCE:
-        return reference.compressor_reference(kv, score, ape, cu_seqlens, cu_seqlens_comp,
-                                              ratio, coff, total_comp)
-    # The kernels read fp32 ape; the upcast is exact, so the logits are the same.
-    return call(kv, score, ape.float(), cu_seqlens, cu_seqlens_comp)
+    signature = _signature(args, ratio, coff, total_comp)
+    call = _PREPARED.get(signature) or _prepare_cuda(
+        signature, "fwd", args, ratio, coff, total_comp,
+        lambda: validation.check_arguments(*args, ratio, coff, total_comp))
+    return call(*args)
 
 
 def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
@@ -114,16 +120,11 @@ def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, 
 
 def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
     args = (grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
-    call = _prepared_cuda("bwd", args, ratio, coff, None,
-                          lambda: validation.check_backward_arguments(*args, ratio, coff))
-    grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp = _contiguous(*args)
-    if call is _REFERENCE:
-        return reference.compressor_backward_reference(grad_out, kv, score, ape, cu_seqlens,
-                                                       cu_seqlens_comp, ratio, coff)
-    # The kernels read fp32 ape and reduce grad_ape in fp32: round it once to ape's dtype.
-    grad_kv, grad_score, grad_ape = call(grad_out, kv, score, ape.float(), cu_seqlens,
-                                         cu_seqlens_comp)
-    return grad_kv, grad_score, grad_ape.to(ape.dtype)
+    signature = _signature(args, ratio, coff)
+    call = _PREPARED.get(signature) or _prepare_cuda(
+        signature, "bwd", args, ratio, coff, None,
+        lambda: validation.check_backward_arguments(*args, ratio, coff))
+    return call(*args)
 
 
 def _setup_context(ctx, inputs, output):

@@ -39,13 +39,16 @@ def _placeholders(slots: Sequence[tuple], tvm_ffi: bool) -> list[Any]:
 
 
 def compile_entry(launch: Callable, arch: str, slots: Sequence[tuple], *, tvm_ffi: bool,
-                  dump_dir: str | None = None) -> Any:
-    """Compile ``launch(*slots, stream)`` for ``arch`` ("sm_90a" / "sm_100a")."""
+                  dump_dir: str | None = None, engine: bool = True) -> Any:
+    """Compile ``launch(*slots, stream)`` for ``arch`` ("sm_90a" / "sm_100a"). Without
+    ``engine`` the DSL skips building its in-process executor (a second host codegen and
+    link): the result can only be exported."""
     options: list[Any] = [cute.GPUArch(arch)]
     if dump_dir is not None:
         options += [cute.KeepPTX(), DumpDir(dump_dir)]
     flags = "--enable-tvm-ffi" if tvm_ffi else None
-    return cute.compile[tuple(options)](launch, *_placeholders(slots, tvm_ffi), options=flags)
+    return cute.compile[tuple(options)](launch, *_placeholders(slots, tvm_ffi), options=flags,
+                                        no_jit_engine=not engine)
 
 
 def ptx(launch: Callable, arch: str, slots: Sequence[tuple]) -> str:

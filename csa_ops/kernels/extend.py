@@ -15,7 +15,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
-from cutlass._mlir.dialects import llvm
 from cutlass.memory import SmemAllocator
 
 from ..config import KernelKey
@@ -23,13 +22,6 @@ from . import common as cm
 from . import window
 
 _INT32_MAX = 2**31 - 1
-
-
-def _opaque(x: Int32) -> Int32:
-    """x, hidden from the optimizer: the first-block flag must stay a run-time value as in
-    the forward, so no select of the softmax folds away and lets a multiply-add contract."""
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value()], "mov.b32 $0, $1;",
-                                 "=r,r"))
 
 
 def _column_fast(g, rL, rKV, i, first):
@@ -128,8 +120,10 @@ def _build(key: KernelKey):
 
     @cute.jit
     def pool_store(p_out, rKV, rL, n, q, cv):
-        """Row n = block q from gathered values and logits, as the forward pools it."""
-        first = _opaque(q) == 0
+        """Row n = block q from gathered values and logits, as the forward pools it. (A
+        first-block flag the compiler could fold would let it contract a multiply-add the
+        forward keeps apart: tests/test_extend_kernel.py audits the operations.)"""
+        first = q == 0
         rO = cute.make_rmem_tensor((V,), g.dtype)
         for i in cutlass.range_constexpr(V):
             if cutlass.const_expr(g.fast_exp):
@@ -145,7 +139,7 @@ def _build(key: KernelKey):
     def body_row(p_kv, p_score, p_out, sApe, n, q, t0, cv, cvl):
         """Row n = block q, whose window lies in the new tokens from t0 - (C-1)*R on: the
         forward's code."""
-        first = _opaque(q) == 0
+        first = q == 0
         rKV = cute.make_rmem_tensor((V, W), g.dtype)
         rS = cute.make_rmem_tensor((V, W), g.dtype)
         load_window(p_kv, p_score, rKV, rS, t0, first, cv)
@@ -278,7 +272,7 @@ def _build(key: KernelKey):
         b_lo = cutlass.min(tid * per, num_reqs)
         b_hi = cutlass.min(b_lo + per, num_reqs)
         local = Int32(0)
-        for b in cutlass.range(b_lo, b_hi):
+        for b in cutlass.range(b_lo, b_hi, unroll=4):  # unrolled: the loads overlap
             local = local + count(starts[b], cu[b + 1] - cu[b])
         lane = tid % 32
         incl = local
@@ -361,7 +355,9 @@ def _build(key: KernelKey):
         kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
                num_tokens, num_rows, num_reqs, num_slots).launch(
             grid=(grid * g.ny, 1, 1), block=(nt, 1, 1), smem=smem_bytes, stream=stream,
-            use_pdl=g.pdl)
+            use_pdl=g.pdl, min_blocks_per_mp=g.min_ctas,
+            # a carveout spares the DSL a device query when min_ctas caps the registers
+            preferred_smem_carveout=100 if g.min_ctas else None)
 
     return launch
 

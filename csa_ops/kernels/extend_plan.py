@@ -16,8 +16,18 @@ WINDOW_MAX = window_plan.WINDOW_MAX  # the largest window (coff * ratio) with a 
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
               **overrides: int) -> KernelKey:
-    """The forward's heuristic key (window_plan.configure), `overrides` set knobs by name."""
-    key = window_plan.configure(ratio, coff, head_dim, dtype, arch, False)
+    """The extend key of the forward's heuristic key (window_plan.configure)."""
+    return from_forward(window_plan.configure(ratio, coff, head_dim, dtype, arch, False),
+                        **overrides)
+
+
+def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
+    """The extend key of a forward key: the forward's own, `overrides` set launch knobs by
+    name (vec, threads, min_ctas: CTAs per SM the registers must allow; none changes a
+    row's bits). fast_exp is the forward's: it does change them."""
+    if "fast_exp" in overrides and bool(overrides["fast_exp"]) != key.knobs.fast_exp:
+        raise ValueError("extend keys take the forward key's fast_exp: rows must equal the "
+                         "forward's bit for bit")
     return with_knobs(key, **overrides) if overrides else key
 
 

@@ -36,6 +36,11 @@ _BALANCED_SMEM = 228 * 1024 // (CTAS_PER_SM + 1) + 1024
 _SUM_SPLIT = 32  # grad_ape sum: warps per CTA, each summing every 32nd CTA partial
 
 
+# Largest magnitude that rounds to zero in each gradient dtype (half its smallest subnormal;
+# the tie rounds to the even zero).
+_ZERO_ROUNDING = {"bfloat16": 2.0**-134, "float16": 2.0**-25, "float32": 0.0}
+
+
 class _Geometry(Geometry):
     """The CTA shape plus what the device code derives from the key at trace time."""
 
@@ -54,6 +59,8 @@ class _Geometry(Geometry):
         self.cert_mag = step * 2.0**-24 * (4 * self.W + 40)
         self.cert_mag_d = step * 2.0**-24 * 6
         self.cert_flush = step * 2.0**-126
+        # The largest gradient magnitude that rounds to zero in the dtype (see _scattered).
+        self.zero_rounding = _ZERO_ROUNDING[key.dtype]
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
@@ -164,6 +171,12 @@ def _pool_fast(g, logits, m, value, first):
     bound = g.cert_mag * mag + g.cert_mag_d * mag_d + g.cert_flush * vsum
     certified = (cute.math.absf(acc) >= bound) & (bound < Float32(float("inf")))
     return acc / s, certified
+
+
+def _scattered(g, x):
+    """x rounded to the gradient dtype as torch's autograd delivers it: the gathered
+    windows' backward adds each gradient into zeros, so a zero comes out +0, never -0."""
+    return g.dtype(cm.pick(cute.math.absf(x) <= Float32(g.zero_rounding), Float32(0.0), x))
 
 
 def _ape_layout(g: _Geometry):
@@ -379,8 +392,8 @@ def _build_backward(key: KernelKey):
                 dot = cm.add_rn(dot, t[k])
             for k in cutlass.range_constexpr(g.W):
                 gl = cm.fma_rn(-p[k], dot, t[k])
-                rGKV[i, k] = g.dtype(cm.mul_rn(p[k], go))
-                rGS[i, k] = g.dtype(gl)
+                rGKV[i, k] = _scattered(g, cm.mul_rn(p[k], go))
+                rGS[i, k] = _scattered(g, gl)
                 if cutlass.const_expr(g.entries[k][3]):
                     gl = cm.pick(first, Float32(0.0), gl)  # invalid entries feed no ape grad
                 sAcc[k * g.V + i, tid] = cm.add_rn(sAcc[k * g.V + i, tid], gl)

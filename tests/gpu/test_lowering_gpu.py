@@ -168,8 +168,8 @@ def test_compiled_consumers_see_the_rounded_output(spec, dtype, mode, compile_en
     grads = [[g.to(dtype) for g in run[1:]] for run in (actual, expected)]
     if paths["fwd"] == "extern":
         assert_bitwise_equal(*roots, "consumer")
-    else:
-        assert_within_one_step(*roots, "consumer", max_fraction=1e-4)
+    else:  # forced "generate" where the kernel runs: two implementations, SPEC 3's bound
+        assert_within_one_step(*roots, "consumer", max_fraction=1e-3)
     # grad_kv = p * g bounds g; grad_score cancels terms of size g * v.
     scale = float(expected[1].abs().max()) * float(pack.kv.abs().max())
     for name, a, e in zip(("grad_kv", "grad_score", "grad_ape"), *grads):
