@@ -3,7 +3,8 @@
 Importing the package registers both ops, their fakes and autograd. It imports neither
 Inductor nor the CuTe DSL (SPEC 7): the Inductor integration, ``csa_ops.lowering``, is
 registered by the fake kernels when a trace first meets the op, and the DSL only when a
-kernel must be compiled (a warm kernel cache loads kernels without it).
+kernel must be compiled (a warm kernel cache loads kernels without it). On a machine with
+CUDA it imports the launch path (csa_ops.host, tvm_ffi) so that first calls stay short.
 """
 
 import importlib  # noqa: I001  (ops defines the ops before meta registers their fakes)
@@ -17,6 +18,13 @@ from .ops import compressor
 from .serving import CompressorState, compressor_extend
 
 __version__ = "0.1.0"
+
+if torch.cuda.is_available():  # no CUDA context is created here
+    from . import host
+
+    # Where kernels can run, pay the launch path's imports now, well inside the import
+    # budget, rather than inside a configuration's first call.
+    host.warm_launch_path()
 
 
 def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,

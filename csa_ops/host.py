@@ -210,7 +210,31 @@ class _CompileCache:
 
 _CACHE = _CompileCache()
 cache_info = _CACHE.info
-cache_clear = _CACHE.clear
+# Memos of prepared calls (ops' call signatures) hold keys and kernels: cleared with them.
+_DEPENDENT_MEMOS: list[dict] = []
+
+
+def register_dependent_memo(memo: dict) -> None:
+    _DEPENDENT_MEMOS.append(memo)
+
+
+def _forget_prepared_calls() -> None:
+    _PROBLEMS.clear()
+    for memo in _DEPENDENT_MEMOS:
+        memo.clear()
+
+
+def cache_clear() -> None:
+    """Drop every compiled kernel and every call prepared with one (tests, autotuning)."""
+    _CACHE.clear()
+    _forget_prepared_calls()
+
+
+def warm_launch_path() -> None:
+    """Import what loading a cached kernel needs (tvm_ffi, the DSL runtime library), so a
+    configuration's first call only reads and loads its entries."""
+    if launcher.TVM_FFI and kernel_cache.enabled():
+        kernel_cache.preload()
 
 
 def configuration_keys(ratio: int, head_dim: int, coff: int, dtype: torch.dtype,
@@ -275,7 +299,7 @@ def set_key(key: KernelKey, backward: bool) -> None:
     """Pins the key used for key's problem and direction (autotuning: see the families'
     enumerate_keys)."""
     _KEYS[(key.ratio, key.coff, key.head_dim, key.dtype, key.arch, bool(backward))] = key
-    _PROBLEMS.clear()
+    _forget_prepared_calls()
 
 
 def supports(
@@ -318,8 +342,6 @@ class Problem(NamedTuple):
     family: KernelFamily
     num_sms: int
     device_index: int
-    ratio: int
-    coff: int
 
 
 _PROBLEMS: dict[tuple, Problem] = {}
@@ -337,8 +359,7 @@ def _resolve(device: torch.device, dtype: torch.dtype, ratio: int, coff: int, he
         if key is None:
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
-        problem = _PROBLEMS[memo] = Problem(key, FAMILIES[key.family], num_sms, index, ratio,
-                                            coff)
+        problem = _PROBLEMS[memo] = Problem(key, FAMILIES[key.family], num_sms, index)
     return problem
 
 

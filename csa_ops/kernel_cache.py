@@ -123,6 +123,13 @@ def _preload_runtime() -> None:
     _RUNTIME_LOADED.append(True)
 
 
+def preload() -> None:
+    """tvm_ffi and the DSL runtime library, what every load of a linked entry needs."""
+    import tvm_ffi  # noqa: F401
+
+    _preload_runtime()
+
+
 def _load_library(path: pathlib.Path) -> Callable[..., Any]:
     if path.suffix == ".so":
         import tvm_ffi

@@ -39,10 +39,11 @@ _HOST = []
 
 
 def _host():
-    """The CuTe-DSL launch path, imported on first CUDA use (importing cutlass costs ~1 s)."""
+    """The kernels' launch path, imported on first CUDA use."""
     if not _HOST:
         from . import host
 
+        host.register_dependent_memo(_PREPARED)
         _HOST.append(host)
     return _HOST[0]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import reference_extend
+from . import reference_extend, validation
 from .reference import accumulate_dtype
-from .validation import FLOAT_DTYPES, INT32_MAX, definitely
+from .validation import INT32_MAX, definitely
 
 OP = "csa.compressor_extend"
 EXTEND_SCHEMA = (
@@ -34,21 +34,9 @@ def _check_tensor(name: str, tensor, kv=None) -> None:
         _fail(f"`{name}` must be on the device of `kv` ({kv.device}), got {tensor.device}")
 
 
-def _check_config(ratio, coff) -> None:
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
-        _fail(f"`ratio` must be an int >= 1, got {ratio!r}")
-    if not isinstance(coff, int) or isinstance(coff, bool) or coff not in (1, 2):
-        _fail(f"`coff` must be 1 or 2, got {coff!r}")
-
-
 def _check_tokens(kv, score, ape, ratio: int, coff: int) -> int:
-    if kv.dim() != 2:
-        _fail(f"`kv` must be 2-D (T, coff*head_dim), got shape {tuple(kv.shape)}")
-    if kv.dtype not in FLOAT_DTYPES:
-        _fail(f"`kv` must be one of bfloat16, float16, float32, float64, got {kv.dtype}")
-    width = kv.shape[1]
-    if width < coff or width % coff != 0:
-        _fail(f"`kv` width must be a positive multiple of coff={coff}, got {width}")
+    with validation.checking(OP):
+        width = validation.check_kv(kv, coff)
     if score.shape != kv.shape or score.dtype != kv.dtype:
         _fail(f"`score` must match `kv` ({tuple(kv.shape)}, {kv.dtype}), got "
               f"({tuple(score.shape)}, {score.dtype})")
@@ -105,7 +93,8 @@ def check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, scor
     returns head_dim."""
     for name, tensor in (("kv", kv), ("score", score), ("ape", ape), ("cu_seqlens", cu_seqlens)):
         _check_tensor(name, tensor, kv if name != "kv" else None)
-    _check_config(ratio, coff)
+    with validation.checking(OP):
+        validation.check_ratio_coff(ratio, coff)
     head_dim = _check_tokens(kv, score, ape, ratio, coff)
     num_requests = _check_requests(cu_seqlens, start_pos, slots, kv)
     _check_state(kv_state, score_state, kv, ratio, coff, num_requests)
@@ -256,7 +245,8 @@ class CompressorState:
 
     def __init__(self, num_slots: int, ratio: int, coff: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, device=None):
-        _check_config(ratio, coff)
+        with validation.checking(OP):
+            validation.check_ratio_coff(ratio, coff)
         shape = (num_slots, coff * ratio, coff * head_dim)
         self.ratio, self.coff, self.head_dim = ratio, coff, head_dim
         self.kv = torch.zeros(shape, dtype=dtype, device=device)

@@ -59,15 +59,15 @@ def _check_offsets_tensor(name: str, tensor: torch.Tensor, kv: torch.Tensor) -> 
     _check_same_device(name, tensor, kv)
 
 
-def check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
-    """Validate everything that metadata alone decides; return head_dim."""
-    for name, tensor in (("kv", kv), ("score", score), ("ape", ape)):
-        if not isinstance(tensor, torch.Tensor):
-            _fail(f"`{name}` must be a tensor, got {type(tensor).__name__}", TypeError)
+def check_ratio_coff(ratio, coff) -> None:
     if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
         _fail(f"`ratio` must be an int >= 1, got {ratio!r}")
     if not isinstance(coff, int) or isinstance(coff, bool) or coff not in (1, 2):
         _fail(f"`coff` must be 1 or 2, got {coff!r}")
+
+
+def check_kv(kv, coff: int) -> int:
+    """kv's rank, dtype and width; return its width (coff * head_dim)."""
     if kv.dim() != 2:
         _fail(f"`kv` must be 2-D (T, coff*head_dim), got shape {tuple(kv.shape)}")
     if kv.dtype not in FLOAT_DTYPES:
@@ -75,6 +75,16 @@ def check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, to
     width = kv.shape[1]
     if width < coff or width % coff != 0:
         _fail(f"`kv` width must be a positive multiple of coff={coff}, got {width}")
+    return width
+
+
+def check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
+    """Validate everything that metadata alone decides; return head_dim."""
+    for name, tensor in (("kv", kv), ("score", score), ("ape", ape)):
+        if not isinstance(tensor, torch.Tensor):
+            _fail(f"`{name}` must be a tensor, got {type(tensor).__name__}", TypeError)
+    check_ratio_coff(ratio, coff)
+    width = check_kv(kv, coff)
     head_dim = width // coff
     if score.shape != kv.shape:
         _fail(f"`score` must have the shape of `kv` {tuple(kv.shape)}, got {tuple(score.shape)}")
