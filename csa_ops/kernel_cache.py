@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -51,11 +50,19 @@ def directory() -> pathlib.Path:
     return pathlib.Path(base) / "csa-ops"
 
 
+_VERSIONS: dict[str, str] = {}
+
+
 def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
+    # importlib.metadata costs tens of milliseconds to import: only a miss asks for it.
+    if distribution not in _VERSIONS:
+        import importlib.metadata
+
+        try:
+            _VERSIONS[distribution] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            _VERSIONS[distribution] = "absent"
+    return _VERSIONS[distribution]
 
 
 _SOURCE_DIGEST: list[str] = []

@@ -1,7 +1,8 @@
 """Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``).
 
 The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
-configurations, dtypes and archs, on any machine, without a GPU (cross-compiling). Ship the
+configurations, dtypes and archs (csa::compressor's two directions and, for windows up to
+32, csa::compressor_extend's kernel), on any machine, without a GPU (cross-compiling). Ship the
 directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
 those configurations and never compiles.
 
@@ -24,14 +25,19 @@ import torch
 
 def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
                 log=print) -> dict[str, int]:
-    """Make sure ``root`` holds both directions of every combination; counts of kernels
-    compiled and already present."""
+    """Make sure ``root`` holds both directions of every combination (and the serving
+    op's kernel where it applies); counts of kernels compiled and already present."""
     from . import host
+    from .kernels import extend_plan
 
     counts = {"compiled": 0, "present": 0}
     for ratio, coff, head_dim, dtype, arch in itertools.product(ratios, coffs, head_dims,
                                                                 dtypes, archs):
-        for direction, key in host.configuration_keys(ratio, head_dim, coff, dtype, arch):
+        keys = host.configuration_keys(ratio, head_dim, coff, dtype, arch)
+        forward_key = keys[0][1]
+        if extend_plan.supports(forward_key):  # csa::compressor_extend's kernel too
+            keys.append(("ext", forward_key))
+        for direction, key in keys:
             start = time.perf_counter()
             built = host._CACHE.export(direction, key, root)
             state = "compiled" if built else "present"

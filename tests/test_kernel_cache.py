@@ -180,8 +180,8 @@ _WARM = textwrap.dedent("""
     from csa_ops import host
     ratio, head_dim, coff = {small}
     for arch in ("sm_90a", "sm_100a"):
-        for direction, key in host.configuration_keys(ratio, head_dim, coff, torch.bfloat16,
-                                                      arch):
+        keys = host.configuration_keys(ratio, head_dim, coff, torch.bfloat16, arch)
+        for direction, key in [*keys, ("ext", keys[0][1])]:  # the serving op's kernel too
             assert callable(host._CACHE.get(direction, key))
     info = host.cache_info()
     print(info["misses"], info["disk_loads"], int("cutlass" in sys.modules))
@@ -194,12 +194,12 @@ def test_deployable_cache_for_both_archs_loads_without_the_dsl(tmp_path):
                str(coff), "--head-dim", str(head_dim), "--arch", "sm_90a", "sm_100a",
                "--cache-dir", str(tmp_path)]
     built = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    assert "4 kernels compiled" in built.stdout
+    assert "6 kernels compiled" in built.stdout  # fwd, bwd and extend, per arch
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    assert "0 kernels compiled, 4 already present" in again.stdout
+    assert "0 kernels compiled, 6 already present" in again.stdout
     out = _python(_WARM.format(small=SMALL), {"CSA_OPS_CACHE_DIR": str(tmp_path)}).stdout
     misses, loads, dsl_imported = (int(x) for x in out.split()[-3:])
-    assert (misses, loads) == (0, 4)
+    assert (misses, loads) == (0, 6)
     assert dsl_imported == 0  # a warm cache never imports the DSL
 
 
