@@ -183,7 +183,7 @@ def _read_entry(root: pathlib.Path, name: str, ident: dict[str, str]):
         return None
     try:
         return _load_library(library)
-    except Exception as error:  # noqa: BLE001  (any load failure: rebuild)
+    except Exception as error:
         raise Rejected(f"load failed ({error})") from error
 
 

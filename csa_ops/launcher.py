@@ -37,9 +37,12 @@ class PublicLauncher:
         self._stream = cuda.CUstream
         self._int32 = cutlass.Int32
         gmem = cute.AddressSpace.gmem
-        self._makers = [
-            (lambda v, t=dsl_type(slot[1]), a=slot[2]: make_ptr(t, v, gmem, assumed_align=a))
-            if slot[0] == "ptr" else None for slot in signature]
+        self._makers = [self._pointer_maker(make_ptr, dsl_type(slot[1]), gmem, slot[2])
+                        if slot[0] == "ptr" else None for slot in signature]
+
+    @staticmethod
+    def _pointer_maker(make_ptr, dtype, space, align):
+        return lambda address: make_ptr(dtype, address, space, assumed_align=align)
 
     def __call__(self, *values_and_stream: int) -> None:
         *values, stream = values_and_stream

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (PackSpec, assert_within_one_step, eager_forward_backward, eager_region,
-                     make_pack, spec_params)
+from helpers import (
+    PackSpec,
+    assert_within_one_step,
+    eager_forward_backward,
+    eager_region,
+    make_pack,
+    spec_params,
+)
 
 from csa_ops import host, reference
 from csa_ops.config import with_knobs
