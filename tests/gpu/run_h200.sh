@@ -52,7 +52,7 @@ if wants tests; then
   fi
   job streaming "$T" "$ROOT" $PYTEST tests/gpu/test_kernels_streaming.py
   job op "$T" "$ROOT" $PYTEST tests/gpu/test_op_gpu.py
-  job graphs "$T" "$ROOT" $PYTEST tests/gpu/test_graphs.py
+  job graphs "$T" "$ROOT" $PYTEST tests/gpu/test_graphs.py tests/gpu/test_kernel_cache_gpu.py
   job lowering "$T" "$ROOT" $PYTEST tests/gpu/test_lowering_gpu.py
   job serving "$T" "$ROOT" $PYTEST tests/gpu/test_serving_gpu.py
 fi
