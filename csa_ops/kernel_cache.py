@@ -114,14 +114,15 @@ _RUNTIME_LOADED: list[bool] = []
 def _preload_runtime() -> None:
     """Make the DSL runtime's symbols global before dlopen of an entry, which leaves them
     undefined (they are the DSL's CUDA-library loaders). Found on disk, so a load does not
-    import the DSL; a layout we do not recognise falls back to the DSL's own lookup."""
+    import the DSL; a layout we do not recognise, or several CUDA variants side by side,
+    falls back to the DSL's own lookup."""
     if _RUNTIME_LOADED:
         return
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     roots = list(spec.submodule_search_locations or []) if spec else []
     found = [p for root in roots for p in sorted(pathlib.Path(root).glob("*/lib/"
                                                                        "libcute_dsl_runtime.so"))]
-    if not found:
+    if len(found) != 1:
         from cutlass.cute.runtime import find_runtime_libraries
 
         found = [pathlib.Path(p) for p in find_runtime_libraries(enable_tvm_ffi=False)]
@@ -141,7 +142,7 @@ def _load_library(path: pathlib.Path) -> Callable[..., Any]:
     if path.suffix == ".so":
         import tvm_ffi
 
-        _preload_runtime()
+        preload()
         return tvm_ffi.load_module(str(path))[_EXPORTED_NAME]
     from cutlass.cute.runtime import load_module
 
