@@ -114,6 +114,12 @@ def make_pack(spec: PackSpec, dtype=torch.float32, device="cpu", seed: int = 0,
     return Pack(spec, kv, score, ape, cu, cuc)
 
 
+def config_id(cfg) -> str:
+    """Test id of a (ratio, coff, head_dim, torch dtype) configuration."""
+    ratio, coff, head_dim, dtype = cfg
+    return f"r{ratio}_c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}"
+
+
 def spec_id(spec: PackSpec) -> str:
     lengths = "-".join(str(n) for n in spec.lengths) or "none"
     return (f"r{spec.ratio}_c{spec.coff}_d{spec.head_dim}_L{lengths}"

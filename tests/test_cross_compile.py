@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from helpers import config_id
 
 from csa_ops import host
 from csa_ops.config import KernelKey, StreamingKnobs, WindowKnobs, parse_knobs, with_knobs
@@ -30,13 +31,8 @@ CONFIGS = (  # ratio, coff, head_dim, dtype
 )
 
 
-def _cid(cfg):
-    ratio, coff, head_dim, dtype = cfg
-    return f"r{ratio}_c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[_cid(c) for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[config_id(c) for c in CONFIGS])
 def test_precompile_cross_arch(cfg, arch):
     ratio, coff, head_dim, dtype = cfg
     before = host.cache_info()

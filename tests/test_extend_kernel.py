@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from helpers import config_id
 
 from csa_ops import host
 from csa_ops.config import LaunchPlan
@@ -26,13 +27,8 @@ CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide 
 )
 
 
-def _cid(cfg):
-    ratio, coff, head_dim, dtype = cfg
-    return f"r{ratio}_c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=[_cid(c) for c in CONFIGS])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[config_id(c) for c in CONFIGS])
 def test_extend_kernel_cross_compiles(cfg, arch):
     ratio, coff, head_dim, dtype = cfg
     before = host.cache_info()
