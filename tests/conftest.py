@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import csa_ops  # noqa: F401  (registers torch.ops.csa.*)
 from helpers import use_lowering_mode
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_kernel_cache(tmp_path_factory):
+    """Kernels the tests compile go to a cache of the test session (inherited by the
+    subprocesses tests start), not to the user's; a cache named by the user is kept."""
+    if "CSA_OPS_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["CSA_OPS_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    try:
+        yield
+    finally:
+        del os.environ["CSA_OPS_CACHE_DIR"]
 
 
 @pytest.fixture
@@ -40,8 +56,6 @@ def deterministic():
 def pytest_collection_modifyitems(config, items):
     """CSA_TEST_SHARD=i/n keeps every n-th test from the i-th: the GPU script runs the
     JIT-heavy files as parallel processes, one shard each, to use the host's cores."""
-    import os
-
     shard = os.environ.get("CSA_TEST_SHARD")
     if not shard:
         return
