@@ -138,6 +138,11 @@ def _compile(direction: str, key: KernelKey, engine: bool = True) -> Any:
                                engine=engine)
 
 
+def _identity(direction: str, key: KernelKey) -> dict[str, str]:
+    """The disk-cache identity of one compiled kernel (see kernel_cache.identity)."""
+    return kernel_cache.identity(f"{direction} {key!r}", launch_signature(direction, key))
+
+
 class _CompileCache:
     """Kernels by (direction, key): from memory, else the disk cache, else a compile.
 
@@ -168,7 +173,7 @@ class _CompileCache:
         signature = launch_signature(direction, key)
         kernel = None
         if launcher.TVM_FFI and kernel_cache.enabled():
-            ident = kernel_cache.identity(f"{direction} {key!r}", signature)
+            ident = _identity(direction, key)
             # Compiled for export only: the kernel comes back loaded from the cache entry.
             kernel, built = kernel_cache.get_or_build(
                 ident, lambda: self._compile_now(direction, key, engine=False))
@@ -191,7 +196,7 @@ class _CompileCache:
     def export(self, direction: str, key: KernelKey, root) -> bool:
         """Make sure the disk cache under ``root`` holds this kernel (cross-compiling:
         nothing is loaded); True when it had to be compiled."""
-        ident = kernel_cache.identity(f"{direction} {key!r}", launch_signature(direction, key))
+        ident = _identity(direction, key)
         with self._lock:
             _, built = kernel_cache.get_or_build(
                 ident, lambda: self._compile_now(direction, key, engine=False), root=root,
@@ -314,14 +319,9 @@ def supports(
     ratio: int,
     coff: int,
 ) -> bool:
-    """Whether the CUDA kernels run this call (dtypes, device arch, a family for the shape)."""
-    if not kv.is_cuda or kv.dtype not in _TORCH_DTYPES or score.dtype != kv.dtype:
-        return False
-    if ape.dtype != torch.float32 or cu.dtype != torch.int32 or cuc.dtype != torch.int32:
-        return False
-    if kv.dim() != 2 or kv.shape[1] % coff or kv.shape[1] == 0 or cu.numel() < 1:
-        return False
-    return supports_config(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff)
+    """Whether the CUDA kernels run this call as given (fp32 ape, no upcast)."""
+    return ape.dtype == torch.float32 and problem("fwd", kv, score, cu, cuc, ratio,
+                                                  coff) is not None
 
 
 def supports_config(device: torch.device, dtype: torch.dtype, ratio: int, coff: int,
@@ -390,14 +390,10 @@ def _multi_gpu() -> bool:
     return _MULTI_GPU[0]
 
 
-def _needs_device_switch(index: int) -> bool:
-    return _multi_gpu() and index != torch.cuda.current_device()
-
-
 def _launcher_for(problem: Problem, direction: str):
-    """kernel(*values, stream) and the stream query of the problem's device; on a machine
-    with several GPUs, the kernel call first makes that device current (kernels launch
-    into the current context)."""
+    """kernel(*values, stream) of one direction of the problem; on a machine with several
+    GPUs, the call first makes the problem's device current (kernels launch into the
+    current context)."""
     kernel = _CACHE.get(direction, problem.key)
     if not _multi_gpu():
         return kernel
@@ -581,14 +577,7 @@ def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
     # address serves: ape's (never empty, 16-byte aligned).
     values = [t.data_ptr() or ape.data_ptr() for t in tensors]
     values += [kv.shape[0], num_rows, num_requests, kv_state.shape[0], plan.grid]
-    launch = _CACHE.get("ext", key)
-    index = problem.device_index
-    stream = launcher.current_stream_handle(index)
-    if _needs_device_switch(index):
-        with torch.cuda.device(index):
-            launch(*values, stream)
-    else:
-        launch(*values, stream)
+    _launcher_for(problem, "ext")(*values, launcher.current_stream_handle(problem.device_index))
     return out, cuc
 
 
