@@ -16,6 +16,7 @@ import timing  # bench/ is the script's folder, so on sys.path
 import torch
 
 from csa_ops import config, host, reference
+from csa_ops.kernels import FAMILIES
 
 SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
     (1, 8192, 128, 4, 2),
@@ -84,6 +85,12 @@ def _time_key(key, backward, fn, sets, dtype) -> tuple[float, str]:
     return graph_time(fn, sets), verdict
 
 
+def sweep_keys(base, backward: bool):
+    """Every key the base key's family enumerates for its problem (autotuning)."""
+    return FAMILIES[base.family].enumerate_keys(base.ratio, base.coff, base.head_dim,
+                                                base.dtype, base.arch, backward)
+
+
 def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
     """Times and checks every enumerated window key (vector width, CTA size, knobs)."""
     for backward, fn, t_default in ((False, fwd, t_fwd), (True, bwd, t_bwd)):
@@ -92,39 +99,21 @@ def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd
         base = _window_base(ratio, coff, d, dtype_name, backward)
         if base is None:
             continue
-        for key in config.enumerate_window_keys(ratio, coff, d, dtype_name, base.arch,
-                                                backward):
+        for key in sweep_keys(base, backward):
             t, verdict = _time_key(key, backward, fn, sets, dtype)
-            print(f"  {'bwd' if backward else 'fwd'} vec={key.vec} threads={key.threads} "
-                  f"{knob_text(key.knobs)}: {t:.2f} us (default {t_default:.2f}) {verdict}")
+            print(f"  {'bwd' if backward else 'fwd'} {knob_text(key.knobs)}: {t:.2f} us "
+                  f"(default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
 
 
-# The names kernels/window.py reads, for keys whose knobs are (name, value) pairs.
-WINDOW_KNOBS = ("balance", "fast_exp", "linear", "min_ctas", "pdl")
-
-
 def knob_text(knobs) -> str:
-    return str(dataclasses.asdict(knobs) if dataclasses.is_dataclass(knobs) else dict(knobs))
+    return str(dataclasses.asdict(knobs))
 
 
-def with_knobs(knobs, variant: str):
-    """``knobs`` (a knob dataclass or (name, value) pairs) with "name=value,..." applied; a
-    name the family does not have raises ValueError instead of timing the default."""
-    try:
-        values = {name.strip(): int(value) for name, value in
-                  (item.split("=") for item in variant.split(",") if item.strip())}
-    except ValueError:
-        raise ValueError(f"--knobs: expected name=int[,name=int], got {variant!r}") from None
-    is_dataclass = dataclasses.is_dataclass(knobs)
-    known = [f.name for f in dataclasses.fields(knobs)] if is_dataclass else WINDOW_KNOBS
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"--knobs: unknown knob {', '.join(unknown)} in {variant!r}; "
-                         f"known: {', '.join(sorted(known))}")
-    if is_dataclass:
-        return dataclasses.replace(knobs, **values)
-    return tuple(sorted({**dict(knobs), **values}.items()))
+def with_variant(key, variant: str):
+    """``key`` with "name=value,..." applied; a name its family lacks raises ValueError
+    instead of timing the default."""
+    return config.with_knobs(key, **config.parse_knobs(variant))
 
 
 def _window_base(ratio, coff, d, dtype_name, backward):
@@ -138,7 +127,7 @@ def _check_knobs(spec, shapes, dtype_name) -> None:
         for backward in (False, True):
             base = _window_base(ratio, coff, d, dtype_name, backward)
             for variant in filter(None, spec.split(";")) if base else ():
-                with_knobs(base.knobs, variant)
+                with_variant(base, variant)
 
 
 def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd):
@@ -148,7 +137,7 @@ def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fw
         if base is None:
             continue
         for variant in filter(None, spec.split(";")):
-            key = dataclasses.replace(base, knobs=with_knobs(base.knobs, variant))
+            key = with_variant(base, variant)
             t, verdict = _time_key(key, backward, fn, sets, dtype)
             print(f"  {'bwd' if backward else 'fwd'} {variant}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")

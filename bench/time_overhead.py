@@ -81,6 +81,36 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
             (rows, kv.shape[1] // coff), dtype=kv.dtype, device=kv.device)),
         "launch_us": _per_call_us(lambda: launch(*values, stream)),
         "torch_add_us": _per_call_us(lambda: torch.add(kv, score)),
+        **_backward_breakdown(kv, score, ape, cu, cuc, ratio, coff, grad_out),
+    }
+
+
+def _backward_breakdown(kv, score, ape, cu, cuc, ratio, coff, grad_out):
+    """The backward op's layers: its prepared call, its launch (main kernel + grad_ape sum)
+    and its four allocations."""
+    from csa_ops import host, ops
+
+    tensors = (grad_out, kv, score, ape, cu, cuc)
+    problem = host.problem("bwd", kv, score, cu, cuc, ratio, coff)
+    launch = host._CACHE.get("bwd", problem.key)
+    plan = problem.family.plan_backward(problem.key, kv.shape[0], grad_out.shape[0],
+                                        problem.num_sms)
+    call = host.prepare("bwd", tensors, ratio, coff, None)
+    grads = call(*tensors)
+    work = torch.empty(plan.workspace, dtype=torch.float32, device=kv.device)
+    values = [t.data_ptr() for t in (*tensors, *grads, work)]
+    values += [kv.shape[0], grad_out.shape[0], cu.numel() - 1, plan.grid]
+    stream = torch.cuda.current_stream().cuda_stream
+    return {
+        "backward_cuda_impl_direct_us": _per_call_us(
+            lambda: ops._compressor_backward_cuda(*tensors, ratio, coff)),
+        "backward_prepared_call_us": _per_call_us(lambda: call(*tensors)),
+        "backward_launch_us": _per_call_us(lambda: launch(*values, stream)),
+        "empty_like_us": _per_call_us(lambda: torch.empty_like(kv)),
+        "new_empty_us": _per_call_us(lambda: kv.new_empty(kv.shape)),
+        "empty_pair_unbind_us": _per_call_us(
+            lambda: kv.new_empty((2, *kv.shape)).unbind(0)),
+        "backward_grid": plan.grid,
     }
 
 

@@ -547,15 +547,17 @@ def extend_problem(kv: torch.Tensor, kv_state: torch.Tensor, score_state: torch.
     found = _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, "fwd")
     if found is None or not extend_plan.supports(found.key):
         return None
-    problem = _EXTEND.get(found)
+    size = extend_plan.size_class(kv.shape[0])
+    problem = _EXTEND.get((found, size))
     if problem is None:
-        problem = _EXTEND[found] = found._replace(key=extend_plan.from_forward(found.key))
+        problem = found._replace(key=extend_plan.for_size(found.key, size))
+        _EXTEND[(found, size)] = problem
     if kv_state.data_ptr() % problem.key.align_bytes or score_state.data_ptr() % 16:
         return None
     return problem
 
 
-_EXTEND: dict[Problem, Problem] = {}  # forward problem -> extend problem
+_EXTEND: dict[tuple[Problem, int], Problem] = {}  # (forward problem, size class) -> extend
 
 
 def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
@@ -582,9 +584,10 @@ def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
 
 
 def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
-                      arch: str | None = None) -> KernelKey:
-    """Compile (or load from the disk cache) csa::compressor_extend's kernel of one
-    configuration; dtype None means bfloat16, arch None the current CUDA device."""
+                      arch: str | None = None) -> tuple[KernelKey, ...]:
+    """Compile (or load from the disk cache) csa::compressor_extend's kernels of one
+    configuration, one per call size class; dtype None means bfloat16, arch None the
+    current CUDA device."""
     dtype = torch.bfloat16 if dtype is None else dtype
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"precompile_extend: dtype must be one of {list(_TORCH_DTYPES)}, "
@@ -601,6 +604,7 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
         raise ValueError(f"precompile_extend: no extend kernel for ratio={ratio}, coff={coff}, "
                          f"head_dim={head_dim}, dtype={dtype} (windows up to "
                          f"{extend_plan.WINDOW_MAX} only)")
-    key = extend_plan.from_forward(key)
-    _CACHE.get("ext", key)
-    return key
+    built = extend_plan.keys(key)
+    for extend_key in built:
+        _CACHE.get("ext", extend_key)
+    return built

@@ -7,16 +7,18 @@ Both ops are functional (outputs allocated inside). CUDA runs the CuTe-DSL kerne
 The ops are defined with ``torch.library.Library`` and their kernels registered per dispatch
 key, not through ``torch.library.custom_op``: custom_op wraps every call of a kernel in
 Python layers (a dynamo-disable wrapper, an output-aliasing check) that cost about 20 us
-per call on the H200's host, as much as the whole launch path. The public surface is the
-same: schemas, tags, fakes (``torch.library.register_fake``), autograd
-(``torch.library.register_autograd``), opcheck.
+per call on the H200's host, as much as the whole launch path. For the same reason autograd
+is an autograd.Function registered at the Autograd key (csa_ops.dispatch), not
+``torch.library.register_autograd``, whose wrapper costs another ~7 us per call. The public
+surface is the same: schemas, tags, fakes (``torch.library.register_fake``), autograd,
+opcheck.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import reference, validation
+from . import dispatch, reference, validation
 
 FORWARD_SCHEMA = (
     "(Tensor kv, Tensor score, Tensor ape, Tensor cu_seqlens, Tensor cu_seqlens_comp, "
@@ -128,36 +130,68 @@ def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_c
     return call(*args)
 
 
-def _setup_context(ctx, inputs, output):
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, _total_comp = inputs
-    ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
-    ctx.ratio = ratio
-    ctx.coff = coff
+class _CompressorFunction(torch.autograd.Function):
+    """csa::compressor where autograd records it; csa::compressor_backward is its backward."""
+
+    @staticmethod
+    def forward(ctx, keyset, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                total_comp=None):
+        out = dispatch.below_autograd(
+            torch.ops.csa.compressor.default, _compressor_cuda, keyset,
+            (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp))
+        ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        ctx.ratio, ctx.coff = ratio, coff
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kv, score, ape, cu_seqlens, cu_seqlens_comp = ctx.saved_tensors
+        grads = torch.ops.csa.compressor_backward.default(
+            grad_out.contiguous(), kv, score, ape, cu_seqlens, cu_seqlens_comp, ctx.ratio,
+            ctx.coff)
+        # keyset, then kv, score, ape; the offsets, ratio, coff and total_comp get none.
+        return None, *grads, None, None, None, None, None
 
 
-def _backward(ctx, grad_out):
-    kv, score, ape, cu_seqlens, cu_seqlens_comp = ctx.saved_tensors
-    grad_kv, grad_score, grad_ape = torch.ops.csa.compressor_backward.default(
-        grad_out.contiguous(), kv, score, ape, cu_seqlens, cu_seqlens_comp, ctx.ratio, ctx.coff)
-    differentiable = (grad_kv, grad_score, grad_ape)
-    # The offsets, ratio, coff and total_comp get no gradient.
-    return differentiable + (None,) * (len(ctx.needs_input_grad) - len(differentiable))
+class _BackwardFunction(torch.autograd.Function):
+    """csa::compressor_backward where autograd records it: no double backward."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        return dispatch.below_autograd(torch.ops.csa.compressor_backward.default,
+                                       _compressor_backward_cuda, keyset, args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "csa.compressor_backward: double backward (a gradient of the gradients) is not "
+            "implemented")
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "csa.compressor_backward: double backward (a gradient of the gradients) is not "
-        "implemented")
+# The Autograd-key kernels (see csa_ops.dispatch): an autograd.Function where a gradient is
+# wanted, else the kernel below autograd without a second trip through the dispatcher.
+def _compressor_autograd(keyset, kv, score, ape, *rest):
+    if dispatch.wants_grad(kv, score, ape):
+        return _CompressorFunction.apply(keyset, kv, score, ape, *rest)
+    return dispatch.below_autograd(torch.ops.csa.compressor.default, _compressor_cuda, keyset,
+                                   (kv, score, ape, *rest))
+
+
+def _compressor_backward_autograd(keyset, grad_out, kv, score, ape, *rest):
+    if dispatch.wants_grad(grad_out, kv, score, ape):
+        return _BackwardFunction.apply(keyset, grad_out, kv, score, ape, *rest)
+    return dispatch.below_autograd(torch.ops.csa.compressor_backward.default,
+                                   _compressor_backward_cuda, keyset,
+                                   (grad_out, kv, score, ape, *rest))
 
 
 # CompositeExplicitAutograd: the reference serves every device without its own kernel.
 _LIB.impl("compressor", _compressor, "CompositeExplicitAutograd")
 _LIB.impl("compressor", _compressor_cuda, "CUDA")
+_LIB.impl("compressor", _compressor_autograd, "Autograd", with_keyset=True)
 _LIB.impl("compressor_backward", _compressor_backward, "CompositeExplicitAutograd")
 _LIB.impl("compressor_backward", _compressor_backward_cuda, "CUDA")
-torch.library.register_autograd("csa::compressor", _backward, setup_context=_setup_context,
-                                lib=_LIB)
-torch.library.register_autograd("csa::compressor_backward", _no_double_backward, lib=_LIB)
+_LIB.impl("compressor_backward", _compressor_backward_autograd, "Autograd", with_keyset=True)
 
 
 def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,

@@ -2,7 +2,7 @@
 
 The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
 configurations, dtypes and archs (csa::compressor's two directions and, for windows up to
-32, csa::compressor_extend's kernel), on any machine, without a GPU (cross-compiling). Ship the
+32, csa::compressor_extend's kernel of each call size class), on any machine, without a GPU (cross-compiling). Ship the
 directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
 those configurations and never compiles.
 
@@ -35,8 +35,8 @@ def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
                                                                 dtypes, archs):
         keys = host.configuration_keys(ratio, head_dim, coff, dtype, arch)
         forward_key = keys[0][1]
-        if extend_plan.supports(forward_key):  # csa::compressor_extend's kernel too
-            keys.append(("ext", forward_key))
+        if extend_plan.supports(forward_key):  # csa::compressor_extend's kernels too
+            keys += [("ext", key) for key in extend_plan.keys(forward_key)]
         for direction, key in keys:
             start = time.perf_counter()
             built = host._CACHE.export(direction, key, root)

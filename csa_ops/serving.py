@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference_extend, validation
+from . import dispatch, reference_extend, validation
 from .reference import accumulate_dtype
 from .validation import INT32_MAX, definitely
 
@@ -182,15 +182,12 @@ def _compressor_extend_cuda(kv, score, ape, cu_seqlens, start_pos, slots, kv_sta
 
 def _no_autograd(keyset, *args):
     """Inference only: refuse a gradient request, else run the op below autograd (the
-    pattern opcheck asks of non-differentiable ops; torch.library's own autograd kernels
-    redispatch the same way)."""
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
-                                       for a in args):
+    pattern opcheck asks of non-differentiable ops)."""
+    if dispatch.wants_grad(*(a for a in args if isinstance(a, torch.Tensor))):
         _fail("inference only: no gradient is defined; call it under torch.no_grad() or "
               "torch.inference_mode(), or detach the inputs", RuntimeError)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.csa.compressor_extend.default.redispatch(
-            keyset & torch._C._after_autograd_keyset, *args)
+    return dispatch.below_autograd(torch.ops.csa.compressor_extend.default,
+                                   _compressor_extend_cuda, keyset, args)
 
 
 # CompositeExplicitAutograd: the vectorized reference serves every device; CUDA has a kernel.

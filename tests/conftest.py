@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from helpers import use_lowering_mode
 
 import csa_ops  # noqa: F401  (registers torch.ops.csa.*)
-from helpers import use_lowering_mode
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -172,30 +171,28 @@ def time_kernels():
     return module
 
 
-@dataclasses.dataclass(frozen=True)
-class _Knobs:
-    pdl: int = 1
-    linear: int = 1
-
-
-def _knob(knobs, name):
-    return getattr(knobs, name) if dataclasses.is_dataclass(knobs) else dict(knobs)[name]
-
-
-@pytest.mark.parametrize("knobs", [_Knobs(), (("linear", 0),)], ids=["dataclass", "pairs"])
-def test_knob_variants_apply_known_names_and_reject_others(time_kernels, knobs):
-    applied = time_kernels.with_knobs(knobs, "pdl=0,linear=1")
-    assert (_knob(applied, "pdl"), _knob(applied, "linear")) == (0, 1)
-    with pytest.raises(ValueError, match="unknown knob pdll"):
-        time_kernels.with_knobs(knobs, "pdll=0")
-    with pytest.raises(ValueError, match="name=int"):
-        time_kernels.with_knobs(knobs, "pdl")
-
-
-def test_knob_variants_fit_the_window_family(time_kernels):
+@pytest.mark.parametrize("backward", [False, True])
+def test_knob_variants_apply_known_names_and_reject_others(time_kernels, backward):
     from csa_ops import host
 
-    base = host.select_key(4, 2, 128, "bfloat16", "sm_90a", False)
+    base = host.select_key(4, 2, 128, "bfloat16", "sm_90a", backward)
     assert base.family == "window"
-    applied = time_kernels.with_knobs(base.knobs, "pdl=0,linear=0")
-    assert (_knob(applied, "pdl"), _knob(applied, "linear")) == (0, 0)
+    applied = time_kernels.with_variant(base, "pdl=0,linear=0")
+    assert (applied.knobs.pdl, applied.knobs.linear) == (0, 0)
+    assert applied.knobs.vec == base.knobs.vec
+    with pytest.raises(ValueError, match="no knob pdll"):
+        time_kernels.with_variant(base, "pdll=0")
+    with pytest.raises(ValueError, match="name=integer"):
+        time_kernels.with_variant(base, "pdl")
+
+
+@pytest.mark.parametrize("ratio, coff", [(4, 2), (128, 1)])
+def test_sweep_enumerates_supported_keys_of_the_default_keys_family(time_kernels, ratio, coff):
+    from csa_ops import host
+
+    for backward in (False, True):
+        base = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a", backward)
+        keys = list(time_kernels.sweep_keys(base, backward))
+        assert len(keys) > 1 and base in keys
+        assert all(k.family == base.family and host.FAMILIES[k.family].supports(k)
+                   for k in keys)

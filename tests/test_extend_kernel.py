@@ -6,6 +6,7 @@ bitwise contract against the CUDA csa::compressor rests on it; tests/gpu checks 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -32,12 +33,15 @@ CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide 
 def test_extend_kernel_cross_compiles(cfg, arch):
     ratio, coff, head_dim, dtype = cfg
     before = host.cache_info()
-    key = host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
-    # The forward's own key: its flags (fast_exp) fix the bits of a row.
-    assert key == window_plan.configure(ratio, coff, head_dim, key.dtype, arch, False)
-    assert key == extend_plan.configure(ratio, coff, head_dim, key.dtype, arch)
+    built = host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
+    forward = window_plan.configure(ratio, coff, head_dim, built[0].dtype, arch, False)
+    assert built == extend_plan.keys(forward)
+    assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
+    # Each size class launches the forward's geometry-free knobs differently; the flags
+    # that fix a row's bits (fast_exp) are the forward's.
+    assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
     after = host.cache_info()
-    assert after["size"] - before["size"] == 1
+    assert after["size"] - before["size"] == len(built)
     host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
     assert host.cache_info()["misses"] == after["misses"]  # second call: a cache hit
 
@@ -93,3 +97,17 @@ def test_argument_table_of_the_extend_kernel():
     assert signature[names.index("score_state")] == ("ptr", "float32", 16)
     assert signature[names.index("kv_state")] == ("ptr", "bfloat16", key.align_bytes)
     assert host.DIRECTIONS == ("fwd", "bwd")  # precompile's pair stays the compressor's
+
+
+def test_call_size_classes_pick_the_measured_launch_shapes():
+    forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
+    assert [extend_plan.size_class(n) for n in (0, 1, 256, 257, 2048, 2049, 10**6)] == \
+        [0, 0, 0, 1, 1, 2, 2]
+    decode, mid, prefill = (extend_plan.for_size(forward, size) for size in range(3))
+    assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
+    assert (mid.knobs.vec, mid.knobs.threads) == (forward.knobs.vec, 256)
+    assert prefill == forward
+    assert extend_plan.keys(forward) == (decode, mid, prefill)
+    for key in extend_plan.keys(forward):  # only launch knobs differ from the forward's
+        assert dataclasses.replace(key, knobs=forward.knobs) == forward
+        assert extend_plan.supports(key)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from csa_ops import host, kernel_cache, launcher
+from csa_ops.kernels import extend_plan
 
 pytestmark = pytest.mark.skipif(not launcher.TVM_FFI, reason="needs apache-tvm-ffi")
 
@@ -178,10 +179,12 @@ def test_concurrent_processes_compile_each_kernel_once(tmp_path):
 _WARM = textwrap.dedent("""
     import sys, torch
     from csa_ops import host
+    from csa_ops.kernels import extend_plan
     ratio, head_dim, coff = {small}
     for arch in ("sm_90a", "sm_100a"):
         keys = host.configuration_keys(ratio, head_dim, coff, torch.bfloat16, arch)
-        for direction, key in [*keys, ("ext", keys[0][1])]:  # the serving op's kernel too
+        serving = [("ext", key) for key in extend_plan.keys(keys[0][1])]
+        for direction, key in [*keys, *serving]:  # the serving op's kernels too
             assert callable(host._CACHE.get(direction, key))
     info = host.cache_info()
     print(info["misses"], info["disk_loads"], int("cutlass" in sys.modules))
@@ -193,13 +196,16 @@ def test_deployable_cache_for_both_archs_loads_without_the_dsl(tmp_path):
     command = [sys.executable, "-m", "csa_ops.precompile", "--ratio", str(ratio), "--coff",
                str(coff), "--head-dim", str(head_dim), "--arch", "sm_90a", "sm_100a",
                "--cache-dir", str(tmp_path)]
+    # Per arch: forward, backward and the serving op's kernel of each call size class.
+    forward_key = host.configuration_keys(ratio, head_dim, coff, torch.bfloat16, "sm_90a")[0][1]
+    kernels = 2 * (2 + len(extend_plan.keys(forward_key)))
     built = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    assert "6 kernels compiled" in built.stdout  # fwd, bwd and extend, per arch
+    assert f"{kernels} kernels compiled" in built.stdout
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
-    assert "0 kernels compiled, 6 already present" in again.stdout
+    assert f"0 kernels compiled, {kernels} already present" in again.stdout
     out = _python(_WARM.format(small=SMALL), {"CSA_OPS_CACHE_DIR": str(tmp_path)}).stdout
     misses, loads, dsl_imported = (int(x) for x in out.split()[-3:])
-    assert (misses, loads) == (0, 6)
+    assert (misses, loads) == (0, kernels)
     assert dsl_imported == 0  # a warm cache never imports the DSL
 
 

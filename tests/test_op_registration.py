@@ -156,3 +156,70 @@ csa::compressor_backward(Tensor grad_out, Tensor kv, Tensor score, Tensor ape, T
         self.assertExpectedInline("\n".join(lines), """\
 csa.compressor.default: Tag.needs_contiguous_strides, Tag.pt2_compliant_tag
 csa.compressor_backward.default: Tag.needs_contiguous_strides, Tag.pt2_compliant_tag""")
+
+
+class _Recorder:
+    """Stands in for an op and its CUDA kernel: records which route a call took."""
+
+    def __init__(self):
+        self.routes = []
+
+    def kernel(self, *args):
+        self.routes.append("kernel")
+        return args
+
+    def redispatch(self, keyset, *args):
+        self.routes.append(("dispatcher", keyset))
+        return args
+
+
+_KEY = torch._C.DispatchKey
+
+
+@pytest.mark.parametrize("keys, route", [
+    ((_KEY.CUDA,), "kernel"),
+    ((_KEY.CUDA, _KEY.ADInplaceOrView), "kernel"),
+    ((_KEY.CPU,), "dispatcher"),
+    ((_KEY.CUDA, _KEY.Python), "dispatcher"),       # fake tensors, __torch_dispatch__ modes
+    ((_KEY.CUDA, _KEY.Functionalize), "dispatcher"),  # torch.compile's functional tracing
+    ((_KEY.Meta,), "dispatcher"),
+])
+def test_below_autograd_takes_the_short_route_only_for_plain_cuda(keys, route):
+    from csa_ops import dispatch
+
+    keyset = torch._C.DispatchKeySet(keys[0])
+    for key in keys[1:]:
+        keyset = keyset.add(key)
+    keyset = keyset.add(_KEY.AutogradCUDA)  # the key this kernel sits at: masked off
+    recorder = _Recorder()
+    assert dispatch.below_autograd(recorder, recorder.kernel, keyset, (1, 2)) == (1, 2)
+    taken = recorder.routes[0] if recorder.routes[0] == "kernel" else recorder.routes[0][0]
+    assert taken == route
+    if route == "dispatcher":  # the dispatcher gets the keys below autograd, unchanged
+        below = recorder.routes[0][1]
+        assert not below.has(_KEY.AutogradCUDA)
+        assert all(below.has(key) for key in keys)
+
+
+def test_autograd_kernel_gets_the_key_set_the_short_route_expects():
+    """torch hands the Autograd kernel of plain CPU tensors {CPU} (no fallthrough keys): the
+    CUDA analogue is what dispatch.below_autograd recognizes as plain."""
+    from csa_ops import dispatch
+
+    seen = []
+    original = dispatch.below_autograd
+
+    def spy(op, kernel, keyset, args):
+        seen.append(keyset)
+        return original(op, kernel, keyset, args)
+
+    spec = PackSpec(lengths=(8,), ratio=4, coff=2, head_dim=4)
+    pack = make_pack(spec, dtype=torch.float32, device="cpu")
+    dispatch.below_autograd = spy
+    try:
+        torch.ops.csa.compressor(*pack.tensors(), spec.ratio, spec.coff, None)
+    finally:
+        dispatch.below_autograd = original
+    below = seen[0] & torch._C._after_autograd_keyset
+    cpu = torch._C.DispatchKeySet(_KEY.CPU)
+    assert below.raw_repr() in (cpu.raw_repr(), cpu.add(_KEY.ADInplaceOrView).raw_repr())

@@ -342,3 +342,37 @@ def test_opcheck_on_cuda(spec, dtype, total_comp):
                           (*leaves, *pack.args(total_comp)[3:]))
     torch.library.opcheck(torch.ops.csa.compressor_backward.default,
                           (pack.grad_out(), *pack.args()[:-1]))
+
+
+def test_plain_cuda_calls_skip_the_second_dispatch(monkeypatch):
+    """Eager calls on plain CUDA tensors reach the kernels from the Autograd-key kernel
+    directly (csa_ops.dispatch), with and without autograd recording, and give the same
+    bits as the dispatcher's own route."""
+    spec = PackSpec((512, 37), 4, 2, 128, extra_rows=2)
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda")
+    leaves = [t.detach().clone().requires_grad_(True) for t in pack.tensors()[:3]]
+    args = (*leaves, *pack.tensors()[3:], spec.ratio, spec.coff, spec.capacity)
+    grad_out = torch.randn(spec.capacity, spec.head_dim, device="cuda").to(torch.bfloat16)
+
+    def run():
+        out = torch.ops.csa.compressor(*args)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        with torch.no_grad():
+            again = torch.ops.csa.compressor(*args)
+        return out, again, *grads
+
+    direct = run()
+    redispatched = []
+    original = torch._ops.OpOverload.redispatch
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch",
+                        lambda self, *a, **k: redispatched.append(self) or original(self, *a, **k))
+    again = run()
+    assert redispatched == []
+    from csa_ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_PLAIN_CUDA", frozenset())  # force the dispatcher's route
+    via_dispatcher = run()
+    assert len(redispatched) >= 3
+    for a, b, c in zip(direct, again, via_dispatcher):
+        assert_bitwise_equal(a, b)
+        assert_bitwise_equal(a, c)
