@@ -15,7 +15,7 @@ import json
 import timing  # bench/ is the script's folder, so on sys.path
 import torch
 
-from csa_ops import config, host, reference
+from csa_ops import config, host
 from csa_ops.kernels import FAMILIES
 
 SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
@@ -57,31 +57,32 @@ def _host_time(fn, s) -> float:
     return timing.host_time_per_call(lambda: fn(s)) * 1e6
 
 
-def _verdict(backward: bool, got, s, ratio, coff) -> str:
-    """The key's outputs against the same-GPU reference: grads bitwise, forward one step."""
-    kv, score, ape, cu, cuc, rows, grad_out = s
-    if backward:
-        want = reference.compressor_backward_reference(grad_out, kv, score, ape, cu, cuc,
-                                                       ratio, coff)
-        exact = all(torch.equal(a, b) for a, b in zip(got[:2], want[:2]))
-        return "bitwise" if exact else "GRAD MISMATCH"
-    want = reference.compressor_reference(kv, score, ape, cu, cuc, ratio, coff, rows)
+def _steps_apart(got: torch.Tensor, want: torch.Tensor) -> tuple[int, int]:
+    """(elements that differ, elements more than one rounding step apart)."""
     a, r = got.double(), want.double()
-    # SPEC 3: none beyond one output rounding step, at most max(1, 0.1%) off at all.
     exponent = torch.floor(torch.log2(torch.maximum(a.abs(), r.abs()).clamp_min(2.0**-126)))
     step = torch.exp2(exponent) * torch.finfo(got.dtype).eps  # spacing in that binade
-    beyond = int(((a - r).abs() > step).sum())
-    differing = int((a != r).sum())
-    ok = beyond == 0 and differing <= max(1, want.numel() // 1000)
-    return (f"{'ok' if ok else 'FWD MISMATCH'} ({differing} of {want.numel()} differ, "
-            f"{beyond} beyond one step)")
+    same = (a == r) | (a.isnan() & r.isnan())
+    return int((~same).sum()), int(((a - r).abs() > step).sum())
 
 
-def _time_key(key, backward, fn, sets, dtype) -> tuple[float, str]:
-    """Pins key for its problem, compiles it, checks it against the reference, times it."""
+def _verdict(backward: bool, got, default) -> str:
+    """A key's outputs against the default key's, which the GPU suite pins to torch's eager
+    autograd (launch knobs must not change a bit): gradients of kv and score, or the
+    forward's output."""
+    pairs = list(zip(got[:2], default[:2])) if backward else [(got, default)]
+    differing, beyond = (sum(x) for x in zip(*(_steps_apart(a, b) for a, b in pairs)))
+    if differing == 0:
+        return "bitwise"
+    return f"MISMATCH ({differing} elements differ, {beyond} beyond one step)"
+
+
+def _time_key(key, backward, fn, sets, dtype, default) -> tuple[float, str]:
+    """Pins key for its problem, compiles it, checks it (`default`: the default key's
+    outputs on sets[0]), times it."""
     host.set_key(key, backward)
     host.precompile(key.ratio, key.head_dim, key.coff, dtype)
-    verdict = _verdict(backward, fn(sets[0]), sets[0], key.ratio, key.coff)
+    verdict = _verdict(backward, fn(sets[0]), default)
     return graph_time(fn, sets), verdict
 
 
@@ -99,8 +100,9 @@ def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd
         base = _window_base(ratio, coff, d, dtype_name, backward)
         if base is None:
             continue
+        default = fn(sets[0])
         for key in sweep_keys(base, backward):
-            t, verdict = _time_key(key, backward, fn, sets, dtype)
+            t, verdict = _time_key(key, backward, fn, sets, dtype, default)
             print(f"  {'bwd' if backward else 'fwd'} {knob_text(key.knobs)}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)
@@ -136,9 +138,10 @@ def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fw
         base = _window_base(ratio, coff, d, dtype_name, backward)
         if base is None:
             continue
+        default = fn(sets[0])
         for variant in filter(None, spec.split(";")):
             key = with_variant(base, variant)
-            t, verdict = _time_key(key, backward, fn, sets, dtype)
+            t, verdict = _time_key(key, backward, fn, sets, dtype, default)
             print(f"  {'bwd' if backward else 'fwd'} {variant}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")
         host.set_key(base, backward)

@@ -196,3 +196,14 @@ def test_sweep_enumerates_supported_keys_of_the_default_keys_family(time_kernels
         assert len(keys) > 1 and base in keys
         assert all(k.family == base.family and host.FAMILIES[k.family].supports(k)
                    for k in keys)
+
+def test_sweep_verdict_compares_with_the_default_keys_bits(time_kernels):
+    base = torch.tensor([1.0, 2.0, -3.0, float("nan")], dtype=torch.bfloat16)
+    step = torch.tensor([2.0**-7, 2.0**-6, 2.0**-6, 0.0], dtype=torch.bfloat16)
+    assert time_kernels._verdict(False, base.clone(), base) == "bitwise"
+    assert time_kernels._verdict(False, base + step * torch.tensor([1, 0, 0, 0]), base) == \
+        "MISMATCH (1 elements differ, 0 beyond one step)"
+    grads = (base, base + step * torch.tensor([0, 2, 0, 0]), base)  # grad_ape is not compared
+    other = (base, base, -base)
+    assert time_kernels._verdict(True, grads, other) == \
+        "MISMATCH (1 elements differ, 1 beyond one step)"
