@@ -53,7 +53,7 @@ def _noop_ops():
 
 def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
     """Per-call cost of each layer of the forward path (host time: the kernel is tiny)."""
-    from csa_ops import host, ops, validation
+    from csa_ops import dispatch, host, ops, validation
 
     problem = host.problem("fwd", kv, score, cu, cuc, ratio, coff)
     launch = host._CACHE.get("fwd", problem.key)
@@ -75,7 +75,7 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
         "validation_full_us": _per_call_us(lambda: validation.check_arguments(
             kv, score, ape, cu, cuc, ratio, coff, rows)),
         "signature_lookup_us": _per_call_us(
-            lambda: ops._PREPARED.get(ops._signature(args, ratio, coff, rows))),
+            lambda: ops._PREPARED.get(dispatch.signature(args, ratio, coff, rows))),
         "prepared_call_us": _per_call_us(lambda: call(kv, score, ape, cu, cuc)),
         "empty_out_us": _per_call_us(lambda: torch.empty(
             (rows, kv.shape[1] // coff), dtype=kv.dtype, device=kv.device)),

@@ -1,4 +1,5 @@
-"""The ops' autograd-key kernels: the short route below autograd for plain CUDA tensors.
+"""The ops' per-call fast paths: the short route below autograd for plain CUDA tensors,
+and the memo of prepared calls by metadata signature.
 
 A Python kernel at the Autograd key that only passes a call on (no tensor requires grad)
 would normally redispatch through torch's dispatcher, a second Python-to-C++-to-Python trip
@@ -40,3 +41,42 @@ def wants_grad(*tensors: torch.Tensor) -> bool:
             if tensor.requires_grad:
                 return True
     return False
+
+
+def signature(tensors, *scalars) -> tuple | None:
+    """A call's metadata signature: shape, dtype and device of each tensor, then the
+    scalars. A signature seen before passed every metadata check and was resolved to a
+    prepared call, so repeated calls skip both (they cost more Python than the launch).
+    None where an argument is not a tensor: the full check names it."""
+    try:
+        return (*[(t.shape, t.dtype, t.device) for t in tensors], *scalars)
+    except AttributeError:
+        return None
+
+
+class PreparedCalls(dict):
+    """Signature -> prepared call, cleared when it reaches `limit` entries (shapes that
+    change every call must not grow it without bound)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        super().__init__()
+        self.limit = limit
+        self.registered = False  # with the launch path, which clears it (see launch_path)
+
+    def remember(self, signature: tuple | None, call):
+        if signature is not None:
+            if len(self) >= self.limit:
+                self.clear()
+            self[signature] = call
+        return call
+
+
+def launch_path(memo: PreparedCalls):
+    """csa_ops.host, the kernels' launch path (imported on first CUDA use, not with the
+    package), with `memo` registered to be cleared whenever kernels or keys change."""
+    from . import host
+
+    if not memo.registered:
+        host.register_dependent_memo(memo)
+        memo.registered = True
+    return host

@@ -534,12 +534,10 @@ def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> Non
 # csa::compressor_extend (SPEC 8): one kernel, compiled from the forward's register-window key
 
 
-def extend_problem(kv: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
-                   ratio: int, coff: int) -> Problem | None:
-    """The extend kernel's problem of a validated call (the forward's: its key's flags fix
-    the rows' bits), None when the reference runs it: no register-window forward key for
-    this device and shape, or state tensors whose bases break the kernel's alignment (they
-    are written in place, so they cannot be copied)."""
+def extend_problem(kv: torch.Tensor, ratio: int, coff: int) -> Problem | None:
+    """The extend kernel's problem of a validated call (the forward's key, launched with the
+    knobs of the call's size class: the key's flags fix the rows' bits), None when the
+    reference runs it: no register-window forward key for this device and shape."""
     if not kv.is_cuda or kv.dtype not in _TORCH_DTYPES or kv.dim() != 2:
         return None
     if kv.shape[1] == 0 or kv.shape[1] % coff:
@@ -552,35 +550,45 @@ def extend_problem(kv: torch.Tensor, kv_state: torch.Tensor, score_state: torch.
     if problem is None:
         problem = found._replace(key=extend_plan.for_size(found.key, size))
         _EXTEND[(found, size)] = problem
-    if kv_state.data_ptr() % problem.key.align_bytes or score_state.data_ptr() % 16:
-        return None
     return problem
 
 
 _EXTEND: dict[tuple[Problem, int], Problem] = {}  # (forward problem, size class) -> extend
 
 
-def compressor_extend(problem: Problem, kv: torch.Tensor, score: torch.Tensor,
-                      ape: torch.Tensor, cu: torch.Tensor, start_pos: torch.Tensor,
-                      slots: torch.Tensor, kv_state: torch.Tensor, score_state: torch.Tensor,
-                      num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (num_rows, head_dim), cu_seqlens_comp); writes the state in place. Inputs are
-    validated and contiguous, ape fp32, the state as extend_problem accepts it."""
+def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_requests: int,
+                   num_slots: int, dtype: torch.dtype, device: torch.device):
+    """extend(kv, score, ape, cu, start_pos, slots, kv_state, score_state) -> (out
+    (num_rows, head_dim), cu_seqlens_comp) for one validated call signature; writes the
+    state in place. Returns None instead where the state tensors' bases break the kernel's
+    alignment (they are written in place, so they cannot be copied): the reference runs
+    that call. Inputs other than the state are made contiguous, ape fp32 (exact)."""
     key = problem.key
     a = key.align_bytes
-    kv, score = (t if t.data_ptr() % a == 0 else t.clone() for t in (kv, score))
-    ape = ape if ape.data_ptr() % 16 == 0 else ape.clone()
-    num_requests = start_pos.shape[0]
-    out = torch.empty((num_rows, key.head_dim), dtype=kv.dtype, device=kv.device)
-    cuc = torch.empty(num_requests + 1, dtype=torch.int32, device=kv.device)
     plan = extend_plan.plan(key, num_requests, num_rows)
-    tensors = (kv, score, ape, cu, start_pos, slots, kv_state, score_state, out, cuc)
-    # An empty tensor may sit at address 0; the kernel never touches one, and any live
-    # address serves: ape's (never empty, 16-byte aligned).
-    values = [t.data_ptr() or ape.data_ptr() for t in tensors]
-    values += [kv.shape[0], num_rows, num_requests, kv_state.shape[0], plan.grid]
-    _launcher_for(problem, "ext")(*values, launcher.current_stream_handle(problem.device_index))
-    return out, cuc
+    kernel = _launcher_for(problem, "ext")
+    stream, index = launcher.current_stream_handle, problem.device_index
+    tail = (num_tokens, num_rows, num_requests, num_slots, plan.grid)
+    out_shape = (num_rows, key.head_dim)
+
+    def extend(kv, score, ape, cu, start_pos, slots, kv_state, score_state):
+        if kv_state.data_ptr() % a or score_state.data_ptr() % 16:
+            return None
+        kv, score, cu = kv.contiguous(), score.contiguous(), cu.contiguous()
+        start_pos, slots, ape = start_pos.contiguous(), slots.contiguous(), ape.contiguous()
+        kv, score = (t if t.data_ptr() % a == 0 else t.clone() for t in (kv, score))
+        ape = ape.float()
+        ape = ape if ape.data_ptr() % 16 == 0 else ape.clone()
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+        cuc = torch.empty(num_requests + 1, dtype=torch.int32, device=device)
+        tensors = (kv, score, ape, cu, start_pos, slots, kv_state, score_state, out, cuc)
+        # An empty tensor may sit at address 0; the kernel never touches one, and any live
+        # address serves: ape's (never empty, 16-byte aligned).
+        values = [t.data_ptr() or ape.data_ptr() for t in tensors]
+        kernel(*values, *tail, stream(index))
+        return out, cuc
+
+    return extend
 
 
 def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,

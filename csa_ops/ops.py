@@ -37,19 +37,6 @@ def _contiguous(*tensors):
     return tuple(t.contiguous() for t in tensors)
 
 
-_HOST = []
-
-
-def _host():
-    """The kernels' launch path, imported on first CUDA use."""
-    if not _HOST:
-        from . import host
-
-        host.register_dependent_memo(_PREPARED)
-        _HOST.append(host)
-    return _HOST[0]
-
-
 _LIB = torch.library.Library("csa", "DEF")  # see the module docstring: not custom_op
 _LIB.define("compressor" + FORWARD_SCHEMA, tags=_TAGS)
 _LIB.define("compressor_backward" + BACKWARD_SCHEMA, tags=_TAGS)
@@ -65,22 +52,13 @@ def _compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_
 
 
 # Metadata signature of a CUDA call -> its prepared call (host.prepare, or the reference when
-# no kernel runs it). A signature seen before passed every metadata check and was resolved,
-# so repeated calls skip both (they cost more Python than the launch itself).
-_PREPARED: dict[tuple, object] = {}
-_PREPARED_MAX = 4096
-
-
-def _signature(tensors, *scalars):
-    try:
-        return (*[(t.shape, t.dtype, t.device) for t in tensors], *scalars)
-    except AttributeError:  # not a tensor: the full check names the argument
-        return None
+# no kernel runs it); see dispatch.signature.
+_PREPARED = dispatch.PreparedCalls()
 
 
 def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check):
     check()
-    call = _host().prepare(direction, tensors, ratio, coff, total_comp)
+    call = dispatch.launch_path(_PREPARED).prepare(direction, tensors, ratio, coff, total_comp)
     if call is None:
         run = (reference.compressor_backward_reference if direction == "bwd"
                else reference.compressor_reference)
@@ -89,11 +67,7 @@ def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check)
         def call(*args):
             return run(*_contiguous(*args), *scalars)
 
-    if signature is not None:
-        if len(_PREPARED) >= _PREPARED_MAX:
-            _PREPARED.clear()
-        _PREPARED[signature] = call
-    return call
+    return _PREPARED.remember(signature, call)
 
 
 def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
@@ -102,7 +76,7 @@ def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, t
         # The documented host sync of the None form (validation first: cuc may be anything).
         validation.check_arguments(*args, ratio, coff)
         total_comp = int(cu_seqlens_comp[-1])
-    signature = _signature(args, ratio, coff, total_comp)
+    signature = dispatch.signature(args, ratio, coff, total_comp)
     call = _PREPARED.get(signature) or _prepare_cuda(
         signature, "fwd", args, ratio, coff, total_comp,
         lambda: validation.check_arguments(*args, ratio, coff, total_comp))
@@ -123,7 +97,7 @@ def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, 
 
 def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
     args = (grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
-    signature = _signature(args, ratio, coff)
+    signature = dispatch.signature(args, ratio, coff)
     call = _PREPARED.get(signature) or _prepare_cuda(
         signature, "bwd", args, ratio, coff, None,
         lambda: validation.check_backward_arguments(*args, ratio, coff))

@@ -157,27 +157,56 @@ def _compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, s
         total_comp)
 
 
+def _row_count(cu_seqlens, start_pos, ratio: int) -> int:
+    """The true row count of validated requests (a host sync: total_comp=None's)."""
+    start = start_pos.long().clamp(min=0)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
+    return int(((start + lengths) // ratio - start // ratio).sum())
+
+
+# Metadata signature of a CUDA call -> its prepared call (see dispatch.signature).
+_PREPARED = dispatch.PreparedCalls()
+
+
+def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp):
+    """The prepared call of a validated signature: the kernel where one runs it (the
+    reference for a call whose state tensors it cannot take), else the reference."""
+    check_arguments(*args, ratio, coff, total_comp)
+    kv, _, _, _, start_pos, _, kv_state, _ = args
+    host = dispatch.launch_path(_PREPARED)
+    problem = host.extend_problem(kv, ratio, coff)
+
+    def reference(*tensors):
+        kv, score, ape = (t.contiguous() for t in tensors[:3])
+        return reference_extend.compressor_extend_reference(
+            kv, score, ape, *tensors[3:], ratio, coff, total_comp)
+
+    if problem is None or rows * problem.key.head_dim > INT32_MAX:
+        return _PREPARED.remember(signature, reference)
+    kernel = host.prepare_extend(problem, kv.shape[0], rows, start_pos.shape[0],
+                                 kv_state.shape[0], kv.dtype, kv.device)
+
+    def call(*tensors):
+        result = kernel(*tensors)
+        return reference(*tensors) if result is None else result
+
+    return _PREPARED.remember(signature, call)
+
+
 def _compressor_extend_cuda(kv, score, ape, cu_seqlens, start_pos, slots, kv_state,
                             score_state, ratio, coff, total_comp=None):
-    check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio,
-                    coff, total_comp)
-    from . import host  # the CuTe-DSL launch path, imported on first CUDA use
-
-    kv, score, ape, cu_seqlens, start_pos, slots = (
-        t.contiguous() for t in (kv, score, ape, cu_seqlens, start_pos, slots))
-    problem = host.extend_problem(kv, kv_state, score_state, ratio, coff)
+    args = (kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state)
     rows = total_comp
-    if problem is not None and rows is None:  # the documented host sync of the None form
-        start = start_pos.long().clamp(min=0)
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
-        rows = int(((start + lengths) // ratio - start // ratio).sum())
-    if problem is None or rows * problem.key.head_dim > INT32_MAX:
-        return reference_extend.compressor_extend_reference(
-            kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio, coff,
-            total_comp)
-    # The kernel reads fp32 ape; the upcast is exact, so the logits are the same.
-    return host.compressor_extend(problem, kv, score, ape.float(), cu_seqlens, start_pos,
-                                  slots, kv_state, score_state, rows)
+    if rows is None:  # the documented host sync of the None form (validation first)
+        check_arguments(*args, ratio, coff)
+        rows = _row_count(cu_seqlens, start_pos, ratio)
+    signature = dispatch.signature(args, ratio, coff, rows, total_comp is None)
+    call = _PREPARED.get(signature) or _prepare_cuda(signature, args, ratio, coff, rows,
+                                                     total_comp)
+    # What the signature leaves out: the state's layout and identity, both written in place.
+    if kv_state is score_state or not (kv_state.is_contiguous() and score_state.is_contiguous()):
+        check_arguments(*args, ratio, coff, total_comp)
+    return call(*args)
 
 
 def _no_autograd(keyset, *args):

@@ -223,3 +223,18 @@ def test_autograd_kernel_gets_the_key_set_the_short_route_expects():
     below = seen[0] & torch._C._after_autograd_keyset
     cpu = torch._C.DispatchKeySet(_KEY.CPU)
     assert below.raw_repr() in (cpu.raw_repr(), cpu.add(_KEY.ADInplaceOrView).raw_repr())
+
+
+def test_prepared_calls_are_bounded_and_keyed_by_metadata():
+    from csa_ops import dispatch
+
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.float64)
+    assert dispatch.signature((a, a), 4, 2) == dispatch.signature((a.clone(), a + 1), 4, 2)
+    assert dispatch.signature((a, a), 4, 2) != dispatch.signature((a, b), 4, 2)
+    assert dispatch.signature((a, a), 4, 2) != dispatch.signature((a, a), 4, 1)
+    assert dispatch.signature((a, [a]), 4) is None  # not a tensor: no memo, full checks
+    memo = dispatch.PreparedCalls(limit=2)
+    calls = [memo.remember(("sig", i), lambda i=i: i) for i in range(3)]
+    assert [call() for call in calls] == [0, 1, 2]
+    assert list(memo) == [("sig", 2)]  # cleared on reaching the limit, then remembered
+    assert memo.remember(None, calls[0]) is calls[0] and len(memo) == 1

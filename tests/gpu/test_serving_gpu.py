@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, assert_within_one_step
 from serving_helpers import (
     assert_rows,
     assert_state,
@@ -197,22 +197,52 @@ def test_adversarial_slots_and_positions_stay_in_bounds(ratio, coff):
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (2, 2, 512)])
 def test_register_window_configs_run_the_extend_kernel(ratio, coff, head_dim):
-    from csa_ops import host
+    from csa_ops import host, serving
 
     batch, num_slots = 4, 8
     tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, num_slots, 1)
-    assert host.extend_problem(tokens[0][0], state.kv, state.score, ratio, coff) is not None
+    assert host.extend_problem(tokens[0][0], ratio, coff) is not None
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)  # warm
+    serving._PREPARED.clear()
     before = host.cache_info()
     OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)
     after = host.cache_info()
     assert after["hits"] == before["hits"] + 1 and after["size"] == before["size"]
+    # A signature seen before launches its prepared call: no lookup at all.
+    OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)
+    assert host.cache_info() == after
     # The streaming family's windows keep the reference: no kernel is looked up.
     tokens, state, slots, start, ape = _decode_inputs(batch, 128, 1, 128, num_slots, 1)
-    assert host.extend_problem(tokens[0][0], state.kv, state.score, 128, 1) is None
+    assert host.extend_problem(tokens[0][0], 128, 1) is None
     OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, 128, 1, batch)
     assert host.cache_info()["hits"] == after["hits"]
+
+
+def test_state_the_kernel_cannot_take_runs_the_reference():
+    """A state view whose base breaks the kernel's alignment (it is written in place, so it
+    cannot be copied) runs the reference, call by call under one prepared signature: the
+    new state equals the kernel's on an aligned copy bit for bit, the rows are within one
+    rounding step (the reference's order is the CPU's)."""
+    ratio, coff, head_dim, batch, num_slots = 4, 2, 64, 4, 8
+    tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, num_slots, 1)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    shape = state.kv.shape
+    # Views one element into larger buffers: contiguous, misaligned for the kernel.
+    kv_big = torch.empty(state.kv.numel() + 1, dtype=state.kv.dtype, device="cuda")
+    ss_big = torch.empty(state.score.numel() + 1, dtype=state.score.dtype, device="cuda")
+    kv_view, ss_view = kv_big[1:].view(shape), ss_big[1:].view(shape)
+    kv0, ss0 = state.kv.clone(), state.score.clone()
+    rows, cuc = OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)
+    for _ in range(2):  # the second call takes the prepared signature
+        kv_view.copy_(kv0)
+        ss_view.copy_(ss0)
+        got, got_cuc = OP(*tokens[0], ape, cu, start, slots, kv_view, ss_view, ratio, coff,
+                          batch)
+        assert_within_one_step(got, rows, "rows")
+        assert_bitwise_equal(got_cuc, cuc, "cu_seqlens_comp")
+        assert_bitwise_equal(kv_view, state.kv, "kv_state")
+        assert_bitwise_equal(ss_view, state.score, "score_state")
 
 
 def test_adversarial_requests_are_isolated_by_the_kernel():
