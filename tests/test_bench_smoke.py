@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -92,15 +93,19 @@ def test_speedups_against_baselines(bench_run):
             assert math.isclose(r["speedup_vs_eager"], eager[(r["shape"], "fwd")] / r["median_s"])
 
 
-@pytest.fixture(scope="module")
-def variants():
-    """bench/variants.py, imported the way the script imports it (bench/ on sys.path)."""
+def _bench_module(name: str):
+    """A bench/ module, imported the way the scripts import their neighbours (bench/ on
+    sys.path)."""
     sys.path.insert(0, str(BENCH))
     try:
-        import variants as module
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH))
-    return module
+
+
+@pytest.fixture(scope="module")
+def variants():
+    return _bench_module("variants")
 
 
 def test_floor_bytes_follow_spec(variants):
@@ -162,13 +167,7 @@ def test_without_matplotlib_writes_json_and_markdown(tmp_path):
 
 @pytest.fixture(scope="module")
 def time_kernels():
-    """bench/time_kernels.py, imported the way the script imports its neighbours."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import time_kernels as module
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return _bench_module("time_kernels")
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -14,10 +14,9 @@ import torch
 from helpers import config_id
 
 from csa_ops import host
-from csa_ops.config import KernelKey, StreamingKnobs, WindowKnobs, parse_knobs, with_knobs
+from csa_ops.config import ARCHS, KernelKey, StreamingKnobs, WindowKnobs, parse_knobs, with_knobs
 from csa_ops.kernels import FAMILIES, select_key, streaming_plan, window_plan
 
-ARCHS = ("sm_90a", "sm_100a")
 CONFIGS = (  # ratio, coff, head_dim, dtype
     (4, 2, 128, torch.bfloat16),
     (4, 2, 512, torch.bfloat16),

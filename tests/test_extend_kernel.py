@@ -14,10 +14,9 @@ import torch
 from helpers import config_id
 
 from csa_ops import host
-from csa_ops.config import LaunchPlan
+from csa_ops.config import ARCHS, LaunchPlan
 from csa_ops.kernels import extend_plan, window_plan
 
-ARCHS = ("sm_90a", "sm_100a")
 CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide window, dtypes
     (4, 2, 512, torch.bfloat16),
     (4, 1, 128, torch.bfloat16),
