@@ -245,14 +245,35 @@ def warm_launch_path() -> None:
             pass
 
 
+def _check_target(caller: str, dtype: torch.dtype, arch: str) -> None:
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"{caller}: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype}")
+    if arch not in config.ARCHS:
+        raise ValueError(f"{caller}: arch must be one of {config.ARCHS}, got {arch!r}")
+
+
+def _target(caller: str, dtype: torch.dtype | None, arch: str | None) -> tuple[torch.dtype, str]:
+    """(dtype, arch) of a precompile call: dtype None means bfloat16, arch None the current
+    CUDA device's; both checked."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    if arch is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{caller}: no CUDA device; pass arch='sm_90a' or 'sm_100a'")
+        arch = device_arch()
+        if arch is None:
+            raise RuntimeError(
+                f"{caller}: no kernel targets compute capability "
+                f"{torch.cuda.get_device_capability()}; supported: {config.ARCHS}"
+            )
+    _check_target(caller, dtype, arch)
+    return dtype, arch
+
+
 def configuration_keys(ratio: int, head_dim: int, coff: int, dtype: torch.dtype,
                        arch: str) -> list[tuple[str, KernelKey]]:
     """(direction, key) of both directions of one configuration; a clear error when no
     kernel family covers it."""
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"precompile: dtype must be one of {list(_TORCH_DTYPES)}, got {dtype}")
-    if arch not in config.ARCHS:
-        raise ValueError(f"precompile: arch must be one of {config.ARCHS}, got {arch!r}")
+    _check_target("precompile", dtype, arch)
     keys = []
     for direction in DIRECTIONS:
         key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction == "bwd")
@@ -272,16 +293,7 @@ def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None =
     dtype None means bfloat16; arch None means the current CUDA device; "sm_90a"/"sm_100a"
     cross-compile without a GPU.
     """
-    dtype = torch.bfloat16 if dtype is None else dtype
-    if arch is None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("precompile: no CUDA device; pass arch='sm_90a' or 'sm_100a'")
-        arch = device_arch()
-        if arch is None:
-            raise RuntimeError(
-                f"precompile: no kernel targets compute capability "
-                f"{torch.cuda.get_device_capability()}; supported: {config.ARCHS}"
-            )
+    dtype, arch = _target("precompile", dtype, arch)
     keys = configuration_keys(ratio, head_dim, coff, dtype, arch)
     for direction, key in keys:
         _CACHE.get(direction, key)
@@ -596,17 +608,7 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     """Compile (or load from the disk cache) csa::compressor_extend's kernels of one
     configuration, one per call size class; dtype None means bfloat16, arch None the
     current CUDA device."""
-    dtype = torch.bfloat16 if dtype is None else dtype
-    if dtype not in _TORCH_DTYPES:
-        raise ValueError(f"precompile_extend: dtype must be one of {list(_TORCH_DTYPES)}, "
-                         f"got {dtype}")
-    if arch is None:
-        arch = device_arch() if torch.cuda.is_available() else None
-        if arch is None:
-            raise RuntimeError("precompile_extend: no supported CUDA device; pass "
-                               f"arch= one of {config.ARCHS}")
-    if arch not in config.ARCHS:
-        raise ValueError(f"precompile_extend: arch must be one of {config.ARCHS}, got {arch!r}")
+    dtype, arch = _target("precompile_extend", dtype, arch)
     key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, False)
     if key is None or not extend_plan.supports(key):
         raise ValueError(f"precompile_extend: no extend kernel for ratio={ratio}, coff={coff}, "

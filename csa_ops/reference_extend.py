@@ -157,14 +157,20 @@ def _final_state(src: _Sources, req, entry):
     return slot, value.to(old_value.dtype), logit
 
 
+def rows_of_requests(cu_seqlens, start_pos, ratio: int) -> torch.Tensor:
+    """(B,) int64: the rows each request emits, blocks start // ratio up to
+    (start + new tokens) // ratio - 1 (negative positions and lengths count as 0)."""
+    start = start_pos.long().clamp(min=0)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
+    return (start + lengths) // ratio - start // ratio
+
+
 def compressor_extend_reference(kv, score, ape, cu_seqlens, start_pos, slots, kv_state,
                                 score_state, ratio: int, coff: int, total_comp=None):
     """(out, cu_seqlens_comp); writes the state for start_pos + new tokens in place."""
     num_requests = start_pos.shape[0]
     head_dim = kv.shape[1] // coff
-    start = start_pos.long().clamp(min=0)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
-    rows_per_request = (start + lengths) // ratio - start // ratio
+    rows_per_request = rows_of_requests(cu_seqlens, start_pos, ratio)
     cu_seqlens_comp = torch.zeros(num_requests + 1, dtype=torch.int32, device=kv.device)
     cu_seqlens_comp[1:] = rows_per_request.cumsum(0)
     rows = int(cu_seqlens_comp[-1]) if total_comp is None else total_comp

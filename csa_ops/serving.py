@@ -157,13 +157,6 @@ def _compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, s
         total_comp)
 
 
-def _row_count(cu_seqlens, start_pos, ratio: int) -> int:
-    """The true row count of validated requests (a host sync: total_comp=None's)."""
-    start = start_pos.long().clamp(min=0)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().clamp(min=0)
-    return int(((start + lengths) // ratio - start // ratio).sum())
-
-
 # Metadata signature of a CUDA call -> its prepared call (see dispatch.signature).
 _PREPARED = dispatch.PreparedCalls()
 
@@ -199,7 +192,7 @@ def _compressor_extend_cuda(kv, score, ape, cu_seqlens, start_pos, slots, kv_sta
     rows = total_comp
     if rows is None:  # the documented host sync of the None form (validation first)
         check_arguments(*args, ratio, coff)
-        rows = _row_count(cu_seqlens, start_pos, ratio)
+        rows = int(reference_extend.rows_of_requests(cu_seqlens, start_pos, ratio).sum())
     signature = dispatch.signature(args, ratio, coff, rows, total_comp is None)
     call = _PREPARED.get(signature) or _prepare_cuda(signature, args, ratio, coff, rows,
                                                      total_comp)
