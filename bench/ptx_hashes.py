@@ -4,7 +4,8 @@ Proves that a refactor leaves a kernel's generated code alone. Cross-compiles wi
 Per key and direction, each `.entry` of the PTX is hashed twice: as written, and with its
 symbol (which names the Python function and class) replaced, so a moved or renamed kernel
 with the same code still matches. Entry 0 is a family's main kernel, entry 1 the backward's
-grad_ape sum (kernels/reduce.py).
+grad_ape sum (kernels/reduce.py). "ext" is csa::compressor_extend's kernel, compiled from the
+forward's key.
 
     python bench/ptx_hashes.py --out before.json
     python bench/ptx_hashes.py --arch sm_90a --compare before.json
@@ -43,6 +44,10 @@ CASES = (
     ("streaming", 128, 1, 128, "float16", "fb", {}),
     ("streaming", 128, 1, 128, "bfloat16", "fb", {"lean": 1}),
     ("streaming", 128, 2, 512, "bfloat16", "f", {"pdl": 1}),
+    ("window", 4, 2, 512, "bfloat16", "e", {}),
+    ("window", 4, 2, 512, "bfloat16", "e", {"vec": 2, "threads": 128}),
+    ("window", 4, 1, 256, "float16", "e", {}),
+    ("window", 5, 2, 65, "float32", "e", {}),
 )
 ROLES = ("main", "grad_ape sum")
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
@@ -60,7 +65,7 @@ def hashes(arch: str, only: str = ""):
     """{label: {"key": repr(key), "kernels": [{name, sha256, sha256_unnamed}]}}."""
     result = {}
     for family, ratio, coff, head_dim, dtype, dirs, knobs in CASES:
-        for direction in ("fwd", "bwd"):
+        for direction in host.DIRECTIONS + ("ext",):
             if direction[0] not in dirs:
                 continue
             settings = "".join(f" {k}={v}" for k, v in sorted(knobs.items()))

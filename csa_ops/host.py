@@ -463,7 +463,7 @@ def prepare_forward(problem: Problem, num_tokens: int, total_comp: int, num_segs
 
 
 def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs: int,
-                     ape_shape, ape_dtype: torch.dtype, device: torch.device):
+                     ape_dtype: torch.dtype, device: torch.device):
     """backward(grad_out, kv, score, ape, cu, cuc) -> (grad_kv, grad_score, grad_ape) for
     one validated call signature; never-consumed elements are exact zeros, grad_ape is
     reduced in fp32 and rounded once to ape's dtype."""
@@ -484,7 +484,8 @@ def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs:
             ape = ape.float()
         grad_kv = torch.empty_like(kv)
         grad_score = torch.empty_like(score)
-        grad_ape = torch.empty(ape_shape, dtype=torch.float32, device=device)
+        # empty_like: no size, dtype or device for torch to parse (half torch.empty's cost)
+        grad_ape = torch.empty_like(ape)
         tensors = [grad_out, kv, score, ape, cu, cuc, grad_kv, grad_score, grad_ape]
         pointers = [t.data_ptr() for t in tensors]
         if (pointers[0] | pointers[1] | pointers[2]) % a or pointers[3] % 16:
@@ -506,7 +507,7 @@ def prepare(direction: str, tensors, ratio: int, coff: int, total_comp):
         return None
     if direction == "bwd":
         return prepare_backward(found, kv.shape[0], tensors[0].shape[0], cu.shape[0] - 1,
-                                ape.shape, ape.dtype, kv.device)
+                                ape.dtype, kv.device)
     return prepare_forward(found, kv.shape[0], total_comp, cu.shape[0] - 1, kv.dtype,
                            kv.device, ape.dtype != torch.float32)
 
@@ -577,7 +578,7 @@ def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_request
     that call. Inputs other than the state are made contiguous, ape fp32 (exact)."""
     key = problem.key
     a = key.align_bytes
-    plan = extend_plan.plan(key, num_requests, num_rows)
+    plan = extend_plan.plan(key, num_requests, num_rows, problem.num_sms)
     kernel = _launcher_for(problem, "ext")
     stream, index = launcher.current_stream_handle, problem.device_index
     tail = (num_tokens, num_rows, num_requests, num_slots, plan.grid)
@@ -612,8 +613,7 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, False)
     if key is None or not extend_plan.supports(key):
         raise ValueError(f"precompile_extend: no extend kernel for ratio={ratio}, coff={coff}, "
-                         f"head_dim={head_dim}, dtype={dtype} (windows up to "
-                         f"{extend_plan.WINDOW_MAX} only)")
+                         f"head_dim={head_dim}, dtype={dtype}")
     built = extend_plan.keys(key)
     for extend_key in built:
         _CACHE.get("ext", extend_key)

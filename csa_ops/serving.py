@@ -174,7 +174,12 @@ def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp)
         return reference_extend.compressor_extend_reference(
             kv, score, ape, *tensors[3:], ratio, coff, total_comp)
 
-    if problem is None or rows * problem.key.head_dim > INT32_MAX:
+    # The streaming family's extend kernel indexes tokens, state entries and rows with
+    # int32 layouts; register windows compute 64-bit offsets and only need int32 rows.
+    sizes = (rows * problem.key.head_dim,) if problem is not None else ()
+    if problem is not None and problem.key.family == "streaming":
+        sizes += (kv.numel(), kv_state.numel())
+    if problem is None or max(sizes) > INT32_MAX:
         return _PREPARED.remember(signature, reference)
     kernel = host.prepare_extend(problem, kv.shape[0], rows, start_pos.shape[0],
                                  kv_state.shape[0], kv.dtype, kv.device)

@@ -15,15 +15,17 @@ from helpers import config_id
 
 from csa_ops import host
 from csa_ops.config import ARCHS, LaunchPlan
-from csa_ops.kernels import extend_plan, window_plan
+from csa_ops.kernels import extend_plan, streaming_plan, window_plan
 
-CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide window, dtypes
-    (4, 2, 512, torch.bfloat16),
+CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide window, dtypes,
+    (4, 2, 512, torch.bfloat16),  # and the streaming family's (r128)
     (4, 1, 128, torch.bfloat16),
     (2, 2, 512, torch.bfloat16),
     (16, 2, 64, torch.bfloat16),
     (4, 2, 512, torch.float16),
     (4, 2, 128, torch.float32),
+    (128, 1, 512, torch.bfloat16),
+    (128, 2, 128, torch.float16),
 )
 
 
@@ -33,9 +35,12 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     ratio, coff, head_dim, dtype = cfg
     before = host.cache_info()
     built = host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
-    forward = window_plan.configure(ratio, coff, head_dim, built[0].dtype, arch, False)
+    forward = host.select_key(ratio, coff, head_dim, built[0].dtype, arch, False)
     assert built == extend_plan.keys(forward)
-    assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
+    if forward.family == "window":
+        assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
+    else:  # one key, the forward's, for every call size
+        assert built == (forward,)
     # Each size class launches the forward's geometry-free knobs differently; the flags
     # that fix a row's bits (fast_exp) are the forward's.
     assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
@@ -66,22 +71,53 @@ def test_rows_pool_with_the_forward_operations(cfg):
     assert "ld.local" not in ext and "st.local" not in ext
 
 
+@pytest.mark.parametrize("cfg", [(128, 1, 512, "bfloat16"), (128, 2, 512, "bfloat16")],
+                         ids=("r128c1", "r128c2"))
+def test_streaming_rows_pool_with_the_forward_operations(cfg):
+    # Two pooling sites (state-reading rows, rows of new tokens), each the forward's `_row`
+    # with its logits read from the fp32 tile: the forward's operations twice, but for the
+    # adds, where each site lacks the forward's kt*vec logit adds and the gathers (twice)
+    # and the state update (per coff-half) add fp32(score) + ape once per entry and column.
+    ratio, coff, head_dim, dtype = cfg
+    key = host.select_key(ratio, coff, head_dim, dtype, "sm_90a", False)
+    assert key.family == "streaming"
+    ext, fwd = host.ptx("ext", key), host.ptx("fwd", key)
+    for op in _POOL_OPS:
+        if op != r"\tadd.f32":
+            assert len(re.findall(op, ext)) == 2 * len(re.findall(op, fwd)), op
+    k = key.knobs
+    per_entry = -(-key.window * k.cv // k.threads) * k.vec
+    adds = len(re.findall(r"\tadd.f32", fwd))
+    assert len(re.findall(r"\tadd.f32", ext)) == (2 * (adds - k.kt * k.vec) + 2 * per_entry
+                                                 + key.coff * per_entry)
+    assert "ld.local" not in ext and "st.local" not in ext
+
+
 def test_plan_covers_requests_then_rows():
     key = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
     rpc = window_plan.geometry(key).rpc
-    assert extend_plan.plan(key, 0, 0) == LaunchPlan(grid=1)  # still writes cu_seqlens_comp
-    assert extend_plan.plan(key, 256, 64) == LaunchPlan(grid=-(-320 // rpc))
-    assert extend_plan.plan(key, 1, 0) == LaunchPlan(grid=1)
+    assert extend_plan.plan(key, 0, 0, 132) == LaunchPlan(grid=1)  # still writes cuc
+    assert extend_plan.plan(key, 256, 64, 132) == LaunchPlan(grid=-(-320 // rpc))
+    assert extend_plan.plan(key, 1, 0, 132) == LaunchPlan(grid=1)
+    # Streaming: column blocks times item groups, at most MAX_ROWS items per CTA.
+    key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
+    blocks = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
+    assert extend_plan.plan(key, 0, 0, 132) == LaunchPlan(grid=blocks)
+    assert extend_plan.plan(key, 3, 1, 132) == LaunchPlan(grid=4 * blocks)
+    many = extend_plan.plan(key, 10**6, 0, 132).grid // blocks
+    assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
 
 
-def test_support_is_the_register_window_family():
+def test_support_covers_both_families():
     assert extend_plan.supports(extend_plan.configure(16, 2, 64, "bfloat16", "sm_90a"))
     assert extend_plan.supports(extend_plan.configure(32, 1, 64, "float32", "sm_100a"))
     assert not extend_plan.supports(extend_plan.configure(32, 2, 64, "bfloat16", "sm_90a"))
     streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
-    assert streaming.family == "streaming" and not extend_plan.supports(streaming)
+    assert streaming.family == "streaming" and extend_plan.supports(streaming)
+    assert extend_plan.for_size(streaming, 0) == streaming
+    # No family runs fp32 at ratio 128 (the streaming kernels take bf16 and fp16).
     with pytest.raises(ValueError, match="no extend kernel for ratio=128"):
-        host.precompile_extend(128, 512, 1, torch.bfloat16, arch="sm_90a")
+        host.precompile_extend(128, 512, 1, torch.float32, arch="sm_90a")
     with pytest.raises(ValueError, match="arch"):
         host.precompile_extend(4, 128, 2, torch.bfloat16, arch="sm_75")
     with pytest.raises(ValueError, match="dtype"):

@@ -19,9 +19,8 @@ from cutlass.memory import SmemAllocator
 
 from ..config import KernelKey
 from . import common as cm
-from . import window
+from . import requests, window
 
-_INT32_MAX = 2**31 - 1
 
 
 def _column_fast(g, rL, rKV, i, first):
@@ -41,35 +40,16 @@ def _build(key: KernelKey):
     slot_elems = W * row_elems
     nt = -(-g.threads // 32) * 32  # whole warps: the scan shuffles over full warps
     warps = nt // 32
+    batch = requests.Batch(R, nt)
     group = max(1, min(W, 32 // (C * V)))  # state entries loaded before any is stored
     load_window, _, _ = window._window_io(g)
     smem_bytes = (W * g.cvc * V + 2 * g.rpc + warps) * 4 + 64
-
-    def count(start, length):
-        """A request's rows as the reference counts them (int64, truncated to int32)."""
-        p = Int64(cutlass.max(start, Int32(0)))
-        n = Int64(cutlass.max(length, Int32(0)))
-        return Int32((p + n) // R - p // R)
 
     def ape_row(k):
         # ape offset of window entry k (row k % R, column half k // R), k known at run time.
         if cutlass.const_expr(C == 1):
             return k * D
         return (k % R) * (2 * D) + (k // R) * D
-
-    @cute.jit
-    def request(cu, starts, slots, b, num_tokens, num_slots):
-        """(ok, first token, start, length, slot, rows) of request b. ok: its tokens lie in
-        [0, num_tokens), its slot in [0, num_slots), 0 <= start and start + length fits
-        int32; the rows of other requests are zeros and their slots stay untouched."""
-        tok0 = cu[b]
-        tok1 = cu[b + 1]
-        start = starts[b]
-        slot = slots[b]
-        length = tok1 - tok0  # int32 arithmetic, like the reference's difference
-        ok = (slot >= 0) & (slot < num_slots) & (start >= 0) & (tok0 >= 0) & (tok0 <= tok1)
-        ok = ok & (tok1 <= num_tokens) & (Int64(start) + Int64(length) <= Int64(_INT32_MAX))
-        return ok, tok0, start, length, slot, count(start, length)
 
     @cute.jit
     def gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q, start, tok0, slot, cv):
@@ -245,8 +225,8 @@ def _build(key: KernelKey):
         slot = Int32(0)
         heads = Int32(0)
         if active and item < num_reqs:
-            ok, tok0, start, length, slot, rows = request(cu, starts, slots, item, num_tokens,
-                                                          num_slots)
+            ok, tok0, start, length, slot, rows = batch.request(cu, starts, slots, item,
+                                                                num_tokens, num_slots)
             heads = cutlass.min(rows, Int32(C))
             if ok and heads > 0:
                 gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, start // R, start, tok0, slot,
@@ -267,35 +247,14 @@ def _build(key: KernelKey):
             sReq[tid] = Int32(-1)
 
         # Row offsets: thread t counts the rows of a contiguous run of requests, a block
-        # scan gives each run its first row (int32, wrapping like the reference's cast).
-        per = (num_reqs + (nt - 1)) // nt
-        b_lo = cutlass.min(tid * per, num_reqs)
-        b_hi = cutlass.min(b_lo + per, num_reqs)
-        local = Int32(0)
-        for b in cutlass.range(b_lo, b_hi, unroll=4):  # unrolled: the loads overlap
-            local = local + count(starts[b], cu[b + 1] - cu[b])
-        lane = tid % 32
-        incl = local
-        for j in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << j)
-            if lane >= (1 << j):
-                incl = incl + up
-        if lane == 31:
-            sWarp[tid // 32] = incl
-        cute.arch.sync_threads()
-        running = incl - local
-        total = Int32(0)
-        for w in cutlass.range_constexpr(warps):
-            part = sWarp[w]
-            if w < tid // 32:
-                running = running + part
-            total = total + part
+        # scan gives each run its first row.
+        b_lo, b_hi, running, total = batch.scan(cu, starts, num_reqs, tid, sWarp)
         # Each request records its first row for its own item and its request for the
         # CTA's row items it covers (at most rpc iterations per CTA in all).
         row_lo = cutlass.max(item0 - num_reqs, Int32(0))
         row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
         for b in cutlass.range(b_lo, b_hi):
-            rows_b = count(starts[b], cu[b + 1] - cu[b])
+            rows_b = batch.count(starts[b], cu[b + 1] - cu[b])
             if bid == 0:
                 cuc[b] = running
             if b >= item0 and b < item0 + g.rpc:
@@ -335,8 +294,9 @@ def _build(key: KernelKey):
                     if b < 0:  # padding, or a row no request covers
                         zero_row(p_out, n, cv)
                     else:
-                        ok_b, tok_b, start_b, _, _, rows_b = request(cu, starts, slots, b,
-                                                                     num_tokens, num_slots)
+                        ok_b, tok_b, start_b, _, _, rows_b = batch.request(cu, starts, slots, b,
+                                                                           num_tokens,
+                                                                           num_slots)
                         h = n - sBase[ry]
                         if h >= cutlass.min(rows_b, Int32(C)):  # else the request's item
                             if ok_b and h < rows_b:

@@ -1,17 +1,16 @@
-"""csa::compressor_extend kernel, host side: key, support, launch plan (no DSL import).
+"""csa::compressor_extend kernels, host side: key, support, launch plan (no DSL import).
 
-The extend kernel (kernels/extend.py) compiles from the register-window forward key of its
-problem: the key's geometry and fast_exp flag fix the bits of a row (window.py's per-column
-softmax), so emitted rows equal the forward's bit for bit. Larger windows (the streaming
-family) have no extend kernel: the op runs its reference there.
+The extend kernel compiles from its problem's forward key, whose knobs fix the bits of a
+row, so emitted rows equal the forward's bit for bit: kernels/extend.py for the
+register-window family (window.py's per-column softmax; its launch knobs vary by call
+size), the streaming family's extend kernel (kernels/streaming.py: the forward's own row
+code) for larger windows.
 """
 
 from __future__ import annotations
 
 from ..config import KernelKey, LaunchPlan, with_knobs
-from . import window_plan
-
-WINDOW_MAX = window_plan.WINDOW_MAX  # the largest window (coff * ratio) with a kernel
+from . import streaming_plan, window_plan
 
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
@@ -45,7 +44,10 @@ def size_class(num_tokens: int) -> int:
 
 
 def for_size(key: KernelKey, size: int) -> KernelKey:
-    """The extend key of forward key `key` for calls of size class `size`."""
+    """The extend key of forward key `key` for calls of size class `size` (a streaming key:
+    itself, whatever the size)."""
+    if key.family == "streaming":
+        return key
     if size == 0:
         return from_forward(key, vec=min(key.knobs.vec, 2), threads=128)
     if size == 1:
@@ -59,12 +61,15 @@ def keys(key: KernelKey) -> tuple[KernelKey, ...]:
 
 
 def supports(key: KernelKey) -> bool:
-    return window_plan.supports(key)
+    return window_plan.supports(key) or streaming_plan.supports(key)
 
 
-def plan(key: KernelKey, num_requests: int, num_rows: int) -> LaunchPlan:
-    """One CTA per `rpc` work items (each request's state, then each output row) and
-    column chunk; at least one CTA, which writes cu_seqlens_comp."""
+def plan(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    """Register windows: one CTA per `rpc` work items (each request's state, then each
+    output row) and column chunk; at least one CTA, which writes cu_seqlens_comp. Streaming:
+    streaming_plan.plan_extend."""
+    if key.family == "streaming":
+        return streaming_plan.plan_extend(key, num_requests, num_rows, num_sms)
     g = window_plan.geometry(key)
     return LaunchPlan(grid=max(1, -(-(num_requests + num_rows) // g.rpc)))
 
@@ -72,6 +77,10 @@ def plan(key: KernelKey, num_requests: int, num_rows: int) -> LaunchPlan:
 def launch_entry(key: KernelKey):
     """The `@cute.jit` launch entry (imports the DSL); its arguments are
     host.ARGUMENTS["ext"] then the stream."""
+    if key.family == "streaming":
+        from . import streaming
+
+        return streaming.extend_entry(key)
     from . import extend
 
     return extend.launch_entry(key)

@@ -20,6 +20,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..config import KernelKey
 from . import common as cm
+from . import requests
 from .reduce import launch_sum_parts
 from .streaming_plan import MAX_ROWS
 
@@ -236,18 +237,8 @@ class _Streaming:
                 self._issue(Int32(p), p, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg,
                             groups, num_tokens, atom)
             cute.arch.cp_async_commit_group()
-        # The CTA's ape tile, once, while the first tiles are in flight (entry k: ape row
-        # k % ratio, coff-half k // ratio).
-        for r in cutlass.range_constexpr(self.kt * self.ah):
-            q = tid + self.nt * r
-            k = q // (CV * self.ah)
-            c = (q // self.ah) % CV
-            h = q % self.ah
-            colc = cb * CV + c
-            if k < W and colc < self.ncv:
-                half = k // R
-                col = ((half * self.ncv + colc) * VEC) // self.av + h
-                sApe[(None, k, h, c)].store(gApe[(None, (k - half * R, col))].load())
+        # The CTA's ape tile, once, while the first tiles are in flight.
+        self._stage_ape(gApe, sApe, tid, cb)
 
         for j in cutlass.range(nr, unroll=1):
             cute.arch.cp_async_wait_group(S - 2)
@@ -279,6 +270,22 @@ class _Streaming:
                            num_tokens, num_rows, num_segs, groups)
 
     @cute.jit
+    def _stage_ape(self, gApe, sApe, tid, cb):
+        """The CTA's ape tile: entry k (ape row k % ratio, coff-half k // ratio) of each of
+        its column vectors, fp32, in av-wide chunks."""
+        VEC, CV, R = self.vec, self.cv, self.r
+        for r in cutlass.range_constexpr(self.kt * self.ah):
+            q = tid + self.nt * r
+            k = q // (CV * self.ah)
+            c = (q // self.ah) % CV
+            h = q % self.ah
+            colc = cb * CV + c
+            if k < self.w and colc < self.ncv:
+                half = k // R
+                col = ((half * self.ncv + colc) * VEC) // self.av + h
+                sApe[(None, k, h, c)].store(gApe[(None, (k - half * R, col))].load())
+
+    @cute.jit
     def _issue(self, j, st, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg, groups,
                num_tokens, atom):
         """Start row j's tile copy (coalesced: consecutive threads, consecutive vectors)."""
@@ -308,9 +315,25 @@ class _Streaming:
         else:
             dst.store(src.load())
 
+    def _ape(self, sApe, k, c):
+        """Entry k's ape over column vector c, fp32 (row k % ratio, coff-half k // ratio)."""
+        ap = cute.make_rmem_tensor((self.vec,), Float32)
+        for h in range(self.ah):  # trace-time loop (not a cute.jit function)
+            part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
+            part.store(sApe[(None, k, h, c)].load())
+        return ap
+
+    def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
+        """v -> entry k's logit fp32(score) + ape of column v. The tile's score and ape are
+        loaded here, each add happens where the caller asks for it. (The extend kernel
+        reads its logits from sLg instead; the forward and backward pass None.)"""
+        sc = self._load_f32(sTile[(None, ph, k, 0, st)])
+        ap = self._ape(sApe, k, cvw)
+        return lambda v: sc[v] + ap[v]
+
     @cute.jit
     def _row(self, sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, st, n, t0, fl, num_tokens,
-             tid, lane, cvw, wp, cb, masked):
+             tid, lane, cvw, wp, cb, masked, sLg=None):
         """Softmax pooling (forward) or its gradient (backward) of one row's column block.
 
         Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e and a = sum e * v
@@ -329,13 +352,9 @@ class _Streaming:
         mloc = cute.make_rmem_tensor((VEC,), Float32)
         mloc.fill(-math.inf)
         for i in cutlass.range_constexpr(KT):
-            sc = self._load_f32(sTile[(None, ph[i], kk[i], 0, st)])
-            ap = cute.make_rmem_tensor((VEC,), Float32)
-            for h in cutlass.range_constexpr(self.ah):
-                part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
-                part.store(sApe[(None, kk[i], h, cvw)].load())
+            logit = self._logit_reader(sTile, sApe, sLg, st, ph[i], kk[i], cvw)
             for v in cutlass.range_constexpr(VEC):
-                x = self._pick(ok[i], sc[v] + ap[v], ninf)
+                x = self._pick(ok[i], logit(v), ninf)
                 lg[i * VEC + v] = x
                 mloc[v] = cute.arch.fmax(mloc[v], x, nan=True)
         m_c = self._cross(self._scatter(mloc, lane, True), sRed, 0, lane, cvw, wp, col, True)
@@ -500,6 +519,261 @@ class _Streaming:
                           self._rows(p_gsc, num_tokens, width), gWork, num_tokens, num_rows,
                           num_segs, groups, stream)
         launch_sum_parts(p_work, p_gape, groups, self.r * width, _SUM_SPLIT, self.pdl, stream)
+
+
+class _StreamingExtend(_Streaming):
+    """csa::compressor_extend for large windows (SPEC 8), compiled from the forward's key.
+
+    Work items as in extend.py: per request, its state-reading rows (its first min(rows,
+    coff)) and then its state update; then one per output row (windows of new tokens only;
+    padding: zeros). A CTA owns a column block and a strided set of items; every CTA scans
+    the batch's row counts to place its items (requests.Batch). A row gathers its window
+    into the forward's tile, kv from the new tokens or the state, and logits into an fp32
+    tile: fp32(score) + ape as the forward adds them, or the state's stored logit. It then
+    pools through the forward's own `_row`, so rows are bit-identical to the CUDA
+    csa::compressor's. A request's rows and its update run in one CTA per column block, so
+    CTA barriers order every state read before the writes.
+    """
+
+    def __init__(self, key: KernelKey):
+        super().__init__(key, backward=False)
+        self.batch = requests.Batch(self.r, self.nt)
+
+    def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
+        lg = cute.make_rmem_tensor((self.vec,), Float32)
+        lg.store(sLg[(None, ph, k)].load())
+        return lambda v: lg[v]
+
+    @cute.jit
+    def _new_logits(self, gSc, sApe, t, gc, k, c):
+        """fp32(score) + ape of new token t (window entry k, column vector c)."""
+        sc = self._load_f32(gSc[(None, (t, gc))])
+        ap = self._ape(sApe, k, c)
+        lg = cute.make_rmem_tensor((self.vec,), Float32)
+        for v in cutlass.range_constexpr(self.vec):
+            lg[v] = sc[v] + ap[v]
+        return lg
+
+    @cute.jit
+    def _gather_window(self, sTile, sLg, sApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
+                       cb):
+        """Block q's window: entry k holds position (q - coff + 1) * ratio + k; from the new
+        tokens at positions >= start, else from the state (entry e holds position
+        (start // ratio - coff + 1) * ratio + e); before the sequence, nothing (masked)."""
+        CV, R, W = self.cv, self.r, self.w
+        win0 = (q - (self.co - 1)) * R
+        st0 = (start // R - (self.co - 1)) * R
+        for r in cutlass.range_constexpr(self.loads):
+            idx = tid + self.nt * r
+            k = idx // CV
+            c = idx % CV
+            colc = cb * CV + c
+            if k < W and colc < self.ncv:
+                pos = win0 + k
+                gc = (k // R) * self.ncv + colc
+                ph = self._phys(c, k)
+                if pos >= start:
+                    t = tok0 + (pos - start)
+                    sTile[(None, ph, k, 1, 0)].store(gKV[(None, (t, gc))].load())
+                    sLg[(None, ph, k)].store(self._new_logits(gSc, sApe, t, gc, k, c).load())
+                elif pos >= 0:
+                    e = cutlass.max(cutlass.min(pos - st0, Int32(W - 1)), Int32(0))
+                    entry = slot * W + e
+                    sTile[(None, ph, k, 1, 0)].store(gKVs[(None, (entry, gc))].load())
+                    sLg[(None, ph, k)].store(gSs[(None, (entry, gc))].load())
+
+    @cute.jit
+    def _pool(self, sTile, sLg, sApe, sRed, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,
+              slot, tid, lane, cvw, wp, cb):
+        """Row n = block q of a request (uniform over the CTA)."""
+        self._gather_window(sTile, sLg, sApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
+                            cb)
+        cute.arch.barrier()
+        # Entries exist from position 0 on: flags "real row, has a previous block", and no
+        # token bound, so the mask is the forward's block-0 mask.
+        self._row(sTile, sApe, sRed, sRed, gOut, gOut, gOut, None, 0, n,
+                  (q - (self.co - 1)) * self.r, Int32(3), Int32(requests.INT32_MAX), tid,
+                  lane, cvw, wp, cb, True, sLg)
+        cute.arch.barrier()  # the tile is free for the next row
+
+    @cute.jit
+    def _zero_row(self, gOut, n, lane, cvw, wp, cb):
+        if lane == 0 and wp == 0 and cb * self.cv + cvw < self.ncv:
+            self._store(gOut[(None, (n, cb * self.cv + cvw))], [Float32(0.0)] * self.vec)
+
+    @cute.jit
+    def _update(self, sApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, tid, cb):
+        """SPEC 8's state for `end` tokens, this CTA's columns: entry e then holds position
+        (end // ratio - coff + 1) * ratio + e where that is < end (a new token, a moved
+        entry, or the initial state before position 0); other entries stay. Per coff-half,
+        every thread loads its entries' sources, a barrier, then every thread stores (a
+        moved entry's source is another entry of the slot)."""
+        CV, R, W, VEC = self.cv, self.r, self.w, self.vec
+        shift = (end // R - start // R) * R
+        st1 = (end // R - (self.co - 1)) * R
+        for h in cutlass.range_constexpr(self.co):
+            rK = cute.make_rmem_tensor((VEC, self.loads), self.dtype)
+            rF = cute.make_rmem_tensor((VEC, self.loads), Float32)
+            for r in cutlass.range_constexpr(self.loads):
+                idx = tid + self.nt * r
+                e = idx // CV
+                c = idx % CV
+                colc = cb * CV + c
+                pos = st1 + e
+                if e < W and colc < self.ncv and pos < end:
+                    gc = h * self.ncv + colc
+                    if pos >= start:
+                        t = tok0 + (pos - start)
+                        rK[None, r].store(gKV[(None, (t, gc))].load())
+                        rF[None, r].store(
+                            self._new_logits(gSc, sApe, t, gc, h * R + e % R, c).load())
+                    elif pos >= 0 and shift != 0:
+                        src = slot * W + cutlass.min(e + shift, Int32(W - 1))
+                        rK[None, r].store(gKVs[(None, (src, gc))].load())
+                        rF[None, r].store(gSs[(None, (src, gc))].load())
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(self.loads):
+                idx = tid + self.nt * r
+                e = idx // CV
+                c = idx % CV
+                colc = cb * CV + c
+                pos = st1 + e
+                if e < W and colc < self.ncv and pos < end:
+                    dst = slot * W + e
+                    gc = h * self.ncv + colc
+                    if pos >= start or (pos >= 0 and shift != 0):
+                        gKVs[(None, (dst, gc))].store(rK[None, r].load())
+                        gSs[(None, (dst, gc))].store(rF[None, r].load())
+                    elif pos < 0:  # before the sequence (coff 2, no complete block yet)
+                        zero = cute.make_rmem_tensor((VEC,), self.dtype)
+                        zero.fill(0.0)
+                        ninf = cute.make_rmem_tensor((VEC,), Float32)
+                        ninf.fill(-math.inf)
+                        gKVs[(None, (dst, gc))].store(zero.load())
+                        gSs[(None, (dst, gc))].store(ninf.load())
+            cute.arch.barrier()
+
+    @cute.kernel
+    def extend_kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor,
+                      mCu: cute.Tensor, mStart: cute.Tensor, mSlots: cute.Tensor,
+                      gKVs: cute.Tensor, gSs: cute.Tensor, gOut: cute.Tensor, mCuc: cute.Tensor,
+                      num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32,
+                      groups: Int32):
+        CV, R, C = self.cv, self.r, self.co
+        cm.await_upstream(self.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        cb = bid % self.cb
+        rg = bid // self.cb
+        lane = tid % 32
+        warp = tid // 32
+        cvw = warp % CV
+        wp = warp // CV
+
+        smem = cutlass.memory.SmemAllocator()
+        sTile = smem.allocate_tensor(self.dtype, cute.make_layout((self.vec, CV, self.wpad, 2, 1)),
+                                     128)
+        sLg = smem.allocate_tensor(Float32, cute.make_layout((self.vec, CV, self.wpad)), 16)
+        sApe = smem.allocate_tensor(
+            Float32, cute.make_layout((self.av, self.wpad, self.ah, CV)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.vec, self.wpc, CV, 3)), 16)
+        sItem = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
+        sBase = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
+
+        self._stage_ape(gApe, sApe, tid, cb)
+        # Items rg, rg + groups, ...: request b is item b, output row n item num_reqs + n.
+        items = num_reqs + num_rows
+        ni = Int32(0)
+        if rg < items:
+            ni = cutlass.min((items - rg + groups - 1) // groups, MAX_ROWS)
+        for j in cutlass.range(tid, ni, self.nt, unroll=1):
+            sItem[j] = Int32(-1)
+        cute.arch.barrier()
+        b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp)
+        for b in cutlass.range(b_lo, b_hi, unroll=1):
+            rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
+            if bid == 0:
+                mCuc[b] = running
+            if b >= rg and (b - rg) % groups == 0 and (b - rg) // groups < ni:
+                sBase[(b - rg) // groups] = running
+            # This CTA's rows among the request's [running, running + rows_b).
+            lo = cutlass.max(running, Int32(0))
+            n0 = lo + ((rg - num_reqs - lo) % groups + groups) % groups
+            hi = cutlass.min(running + rows_b, num_rows)
+            for n in cutlass.range(n0, hi, groups, unroll=1):
+                j = (num_reqs + n - rg) // groups
+                if j < ni:
+                    sItem[j] = b
+                    sBase[j] = running
+            running = running + rows_b
+        if bid == 0 and tid == 0:
+            mCuc[num_reqs] = total
+        cute.arch.barrier()
+
+        tiles = (sTile, sLg, sApe, sRed, gKV, gSc, gKVs, gSs, gOut)
+        for j in cutlass.range(ni, unroll=1):
+            item = rg + j * groups
+            if item < num_reqs:
+                ok, tok0, start, length, slot, rows = self.batch.request(
+                    mCu, mStart, mSlots, item, num_tokens, num_slots)
+                base = sBase[j]
+                for h in cutlass.range(cutlass.min(rows, Int32(C)), unroll=1):
+                    n = base + h
+                    if n >= 0 and n < num_rows:
+                        if ok:
+                            self._pool(*tiles, n, start // R + h, tok0, start, slot, tid,
+                                       lane, cvw, wp, cb)
+                        else:
+                            self._zero_row(gOut, n, lane, cvw, wp, cb)
+                if ok:
+                    self._update(sApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot,
+                                 tid, cb)
+            else:
+                n = item - num_reqs
+                b = sItem[j]
+                if b < 0:  # padding, or a row no request covers
+                    self._zero_row(gOut, n, lane, cvw, wp, cb)
+                else:
+                    ok, tok0, start, _, slot, rows = self.batch.request(
+                        mCu, mStart, mSlots, b, num_tokens, num_slots)
+                    h = n - sBase[j]
+                    if h >= cutlass.min(rows, Int32(C)):  # else the request's item
+                        if ok and h < rows:
+                            self._pool(*tiles, n, start // R + h, tok0, start, slot, tid,
+                                       lane, cvw, wp, cb)
+                        else:
+                            self._zero_row(gOut, n, lane, cvw, wp, cb)
+
+    @cute.jit
+    def extend(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
+               p_cu: cute.Pointer, p_starts: cute.Pointer, p_slots: cute.Pointer,
+               p_kvs: cute.Pointer, p_ss: cute.Pointer, p_out: cute.Pointer,
+               p_cuc: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_reqs: Int32,
+               num_slots: Int32, grid: Int32, stream):
+        width = self.co * self.d
+        gApe = cute.zipped_divide(
+            cute.make_tensor(p_ape, cute.make_layout((self.r, width), stride=(width, 1))),
+            (1, self.av))
+        entries = num_slots * self.w
+        gSs = cute.zipped_divide(
+            cute.make_tensor(p_ss, cute.make_layout((entries, width), stride=(width, 1))),
+            (1, self.vec))
+        self.extend_kernel(
+            self._rows(p_kv, num_tokens, width), self._rows(p_score, num_tokens, width), gApe,
+            cute.make_tensor(p_cu, cute.make_layout(num_reqs + 1)),
+            cute.make_tensor(p_starts, cute.make_layout(num_reqs + 1)),
+            cute.make_tensor(p_slots, cute.make_layout(num_reqs + 1)),
+            self._rows(p_kvs, entries, width), gSs, self._rows(p_out, num_rows, self.d),
+            cute.make_tensor(p_cuc, cute.make_layout(num_reqs + 1)), num_tokens, num_rows,
+            num_reqs, num_slots, grid // self.cb).launch(
+            grid=(grid, 1, 1), block=(self.nt, 1, 1), stream=stream,
+            min_blocks_per_mp=self.ctas, preferred_smem_carveout=100, use_pdl=self.pdl)
+
+
+def extend_entry(key: KernelKey):
+    """csa::compressor_extend's `@cute.jit` launch entry (host.ARGUMENTS["ext"], stream)."""
+    return _StreamingExtend(key).extend
 
 
 def launch_entry(key: KernelKey, backward: bool):

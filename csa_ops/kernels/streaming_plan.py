@@ -115,6 +115,18 @@ def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) 
     return _plan(key, num_rows, num_sms, True)
 
 
+def plan_extend(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
+    """csa::compressor_extend: work items (each request, then each output row) strided over
+    up to four waves of CTA slots per column block (decode items are short and
+    latency-bound), at most MAX_ROWS per CTA; at least one CTA, which writes
+    cu_seqlens_comp."""
+    cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
+    items = max(1, num_requests + num_rows)
+    groups = min(items, max(1, 4 * num_sms * key.knobs.ctas // cb))
+    per_cta = min(-(-items // groups), MAX_ROWS)
+    return LaunchPlan(grid=-(-items // per_cta) * cb)
+
+
 def launch_entry(key: KernelKey, backward: bool):
     """The `@cute.jit` launch entry of one direction (imports the DSL)."""
     from . import streaming

@@ -1,0 +1,72 @@
+"""Device helpers of csa::compressor_extend shared by its two kernels (extend.py for register
+windows, streaming.py for large ones): a request's validity and row count as the reference
+defines them, and the batch's row offsets by one block-wide scan.
+
+A request is `ok` when its tokens lie in [0, num_tokens), its slot in [0, num_slots),
+0 <= start and start + length fits int32. Other requests still count their rows (the
+reference counts them, so the offsets agree), but those rows are zeros and their slots stay
+untouched: no content of cu_seqlens, start_pos or slots moves an access out of bounds.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Int32, Int64, cute
+
+INT32_MAX = 2**31 - 1
+
+
+class Batch:
+    """The requests of one extend call, seen from a CTA of `threads` threads (whole warps)."""
+
+    def __init__(self, ratio: int, threads: int) -> None:
+        self.r = ratio
+        self.nt = threads
+        self.warps = threads // 32
+
+    def count(self, start, length):
+        """A request's rows as the reference counts them (int64, truncated to int32)."""
+        p = Int64(cutlass.max(start, Int32(0)))
+        n = Int64(cutlass.max(length, Int32(0)))
+        return Int32((p + n) // self.r - p // self.r)
+
+    @cute.jit
+    def request(self, cu, starts, slots, b, num_tokens, num_slots):
+        """(ok, first token, start, length, slot, rows) of request b."""
+        tok0 = cu[b]
+        tok1 = cu[b + 1]
+        start = starts[b]
+        slot = slots[b]
+        length = tok1 - tok0  # int32 arithmetic, like the reference's difference
+        ok = (slot >= 0) & (slot < num_slots) & (start >= 0) & (tok0 >= 0) & (tok0 <= tok1)
+        ok = ok & (tok1 <= num_tokens) & (Int64(start) + Int64(length) <= Int64(INT32_MAX))
+        return ok, tok0, start, length, slot, self.count(start, length)
+
+    @cute.jit
+    def scan(self, cu, starts, num_reqs, tid, sWarp):
+        """(b_lo, b_hi, running, total): thread tid's contiguous run of requests
+        [b_lo, b_hi), the first row of that run and the batch's row count (int32, wrapping
+        like the reference's cast). Ends with a CTA barrier; sWarp holds one int32 per warp."""
+        per = (num_reqs + (self.nt - 1)) // self.nt
+        b_lo = cutlass.min(tid * per, num_reqs)
+        b_hi = cutlass.min(b_lo + per, num_reqs)
+        local = Int32(0)
+        for b in cutlass.range(b_lo, b_hi, unroll=4):  # unrolled: the loads overlap
+            local = local + self.count(starts[b], cu[b + 1] - cu[b])
+        lane = tid % 32
+        incl = local
+        for j in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << j)
+            if lane >= (1 << j):
+                incl = incl + up
+        if lane == 31:
+            sWarp[tid // 32] = incl
+        cute.arch.sync_threads()
+        running = incl - local
+        total = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            part = sWarp[w]
+            if w < tid // 32:
+                running = running + part
+            total = total + part
+        return b_lo, b_hi, running, total
