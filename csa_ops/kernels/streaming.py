@@ -529,7 +529,8 @@ class _StreamingExtend(_Streaming):
     padding: zeros). A CTA owns a column block and a strided set of items; every CTA scans
     the batch's row counts to place its items (requests.Batch). A row gathers its window
     into the forward's tile, kv from the new tokens or the state, and logits into an fp32
-    tile: fp32(score) + ape as the forward adds them, or the state's stored logit. It then
+    tile: fp32(score) + ape as the forward adds them (ape read from L2, not staged: a decode
+    CTA needs a single entry of it), or the state's stored logit. It then
     pools through the forward's own `_row`, so rows are bit-identical to the CUDA
     csa::compressor's. A request's rows and its update run in one CTA per column block, so
     CTA barriers order every state read before the writes.
@@ -545,17 +546,23 @@ class _StreamingExtend(_Streaming):
         return lambda v: lg[v]
 
     @cute.jit
-    def _new_logits(self, gSc, sApe, t, gc, k, c):
-        """fp32(score) + ape of new token t (window entry k, column vector c)."""
+    def _new_logits(self, gSc, gApe, t, gc, k, colc):
+        """fp32(score) + ape of new token t (window entry k, column vector colc of its
+        coff-half), ape read where it lies (L2): a decode CTA needs one entry of it."""
         sc = self._load_f32(gSc[(None, (t, gc))])
-        ap = self._ape(sApe, k, c)
+        ap = cute.make_rmem_tensor((self.vec,), Float32)
+        half = k // self.r
+        for h in cutlass.range_constexpr(self.ah):
+            part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
+            col = ((half * self.ncv + colc) * self.vec) // self.av + h
+            part.store(gApe[(None, (k - half * self.r, col))].load())
         lg = cute.make_rmem_tensor((self.vec,), Float32)
         for v in cutlass.range_constexpr(self.vec):
             lg[v] = sc[v] + ap[v]
         return lg
 
     @cute.jit
-    def _gather_window(self, sTile, sLg, sApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
+    def _gather_window(self, sTile, sLg, gApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
                        cb):
         """Block q's window: entry k holds position (q - coff + 1) * ratio + k; from the new
         tokens at positions >= start, else from the state (entry e holds position
@@ -575,7 +582,8 @@ class _StreamingExtend(_Streaming):
                 if pos >= start:
                     t = tok0 + (pos - start)
                     sTile[(None, ph, k, 1, 0)].store(gKV[(None, (t, gc))].load())
-                    sLg[(None, ph, k)].store(self._new_logits(gSc, sApe, t, gc, k, c).load())
+                    sLg[(None, ph, k)].store(
+                        self._new_logits(gSc, gApe, t, gc, k, colc).load())
                 elif pos >= 0:
                     e = cutlass.max(cutlass.min(pos - st0, Int32(W - 1)), Int32(0))
                     entry = slot * W + e
@@ -583,15 +591,16 @@ class _StreamingExtend(_Streaming):
                     sLg[(None, ph, k)].store(gSs[(None, (entry, gc))].load())
 
     @cute.jit
-    def _pool(self, sTile, sLg, sApe, sRed, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,
+    def _pool(self, sTile, sLg, gApe, sRed, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,
               slot, tid, lane, cvw, wp, cb):
         """Row n = block q of a request (uniform over the CTA)."""
-        self._gather_window(sTile, sLg, sApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
+        self._gather_window(sTile, sLg, gApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
                             cb)
         cute.arch.barrier()
         # Entries exist from position 0 on: flags "real row, has a previous block", and no
-        # token bound, so the mask is the forward's block-0 mask.
-        self._row(sTile, sApe, sRed, sRed, gOut, gOut, gOut, None, 0, n,
+        # token bound, so the mask is the forward's block-0 mask. (No ape tile: the logits
+        # are in sLg.)
+        self._row(sTile, None, sRed, sRed, gOut, gOut, gOut, None, 0, n,
                   (q - (self.co - 1)) * self.r, Int32(3), Int32(requests.INT32_MAX), tid,
                   lane, cvw, wp, cb, True, sLg)
         cute.arch.barrier()  # the tile is free for the next row
@@ -602,7 +611,7 @@ class _StreamingExtend(_Streaming):
             self._store(gOut[(None, (n, cb * self.cv + cvw))], [Float32(0.0)] * self.vec)
 
     @cute.jit
-    def _update(self, sApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, tid, cb):
+    def _update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, tid, cb):
         """SPEC 8's state for `end` tokens, this CTA's columns: entry e then holds position
         (end // ratio - coff + 1) * ratio + e where that is < end (a new token, a moved
         entry, or the initial state before position 0); other entries stay. Per coff-half,
@@ -626,7 +635,7 @@ class _StreamingExtend(_Streaming):
                         t = tok0 + (pos - start)
                         rK[None, r].store(gKV[(None, (t, gc))].load())
                         rF[None, r].store(
-                            self._new_logits(gSc, sApe, t, gc, h * R + e % R, c).load())
+                            self._new_logits(gSc, gApe, t, gc, h * R + e % R, colc).load())
                     elif pos >= 0 and shift != 0:
                         src = slot * W + cutlass.min(e + shift, Int32(W - 1))
                         rK[None, r].store(gKVs[(None, (src, gc))].load())
@@ -671,17 +680,17 @@ class _StreamingExtend(_Streaming):
         wp = warp // CV
 
         smem = cutlass.memory.SmemAllocator()
-        sTile = smem.allocate_tensor(self.dtype, cute.make_layout((self.vec, CV, self.wpad, 2, 1)),
-                                     128)
+        # The forward's tile layout, kv in slot 1; the score slot aliases it (stride 0): the
+        # logits live in sLg, and the smem saved lets more CTAs share an SM.
+        tile = (self.vec, CV, self.wpad, 2, 1)
+        sTile = smem.allocate_tensor(self.dtype, cute.make_layout(
+            tile, stride=(1, self.vec, self.vec * CV, 0, 0)), 128)
         sLg = smem.allocate_tensor(Float32, cute.make_layout((self.vec, CV, self.wpad)), 16)
-        sApe = smem.allocate_tensor(
-            Float32, cute.make_layout((self.av, self.wpad, self.ah, CV)), 16)
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.vec, self.wpc, CV, 3)), 16)
         sItem = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
 
-        self._stage_ape(gApe, sApe, tid, cb)
         # Items rg, rg + groups, ...: request b is item b, output row n item num_reqs + n.
         items = num_reqs + num_rows
         ni = Int32(0)
@@ -711,7 +720,7 @@ class _StreamingExtend(_Streaming):
             mCuc[num_reqs] = total
         cute.arch.barrier()
 
-        tiles = (sTile, sLg, sApe, sRed, gKV, gSc, gKVs, gSs, gOut)
+        tiles = (sTile, sLg, gApe, sRed, gKV, gSc, gKVs, gSs, gOut)
         for j in cutlass.range(ni, unroll=1):
             item = rg + j * groups
             if item < num_reqs:
@@ -727,7 +736,7 @@ class _StreamingExtend(_Streaming):
                         else:
                             self._zero_row(gOut, n, lane, cvw, wp, cb)
                 if ok:
-                    self._update(sApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot,
+                    self._update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot,
                                  tid, cb)
             else:
                 n = item - num_reqs

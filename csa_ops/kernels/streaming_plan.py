@@ -13,6 +13,7 @@ from ..config import TYPES, KernelKey, LaunchPlan, StreamingKnobs, widest_vec, w
 MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
 MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
 SMEM_PER_SM = 227 * 1024
+EXTEND_WAVES = 4  # extend CTAs per column block: this many waves of the forward's CTA slots
 FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
 
 
@@ -117,12 +118,12 @@ def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) 
 
 def plan_extend(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
     """csa::compressor_extend: work items (each request, then each output row) strided over
-    up to four waves of CTA slots per column block (decode items are short and
-    latency-bound), at most MAX_ROWS per CTA; at least one CTA, which writes
-    cu_seqlens_comp."""
+    up to EXTEND_WAVES waves of CTA slots per column block (decode items are short and
+    latency-bound: more CTAs, fewer items each), at most MAX_ROWS per CTA; at least one
+    CTA, which writes cu_seqlens_comp."""
     cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
     items = max(1, num_requests + num_rows)
-    groups = min(items, max(1, 4 * num_sms * key.knobs.ctas // cb))
+    groups = min(items, max(1, EXTEND_WAVES * num_sms * key.knobs.ctas // cb))
     per_cta = min(-(-items // groups), MAX_ROWS)
     return LaunchPlan(grid=-(-items // per_cta) * cb)
 
