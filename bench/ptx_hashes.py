@@ -48,6 +48,8 @@ CASES = (
     ("window", 4, 2, 512, "bfloat16", "e", {"vec": 2, "threads": 128}),
     ("window", 4, 1, 256, "float16", "e", {}),
     ("window", 5, 2, 65, "float32", "e", {}),
+    ("streaming", 128, 1, 512, "bfloat16", "e", {}),
+    ("streaming", 128, 2, 128, "float16", "e", {}),
 )
 ROLES = ("main", "grad_ape sum")
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)

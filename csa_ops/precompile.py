@@ -1,8 +1,9 @@
 """Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``).
 
 The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
-configurations, dtypes and archs (csa::compressor's two directions and, for windows up to
-32, csa::compressor_extend's kernel of each call size class), on any machine, without a GPU (cross-compiling). Ship the
+configurations, dtypes and archs (csa::compressor's two directions and
+csa::compressor_extend's kernels: one per call size class for register windows, one for
+the streaming family), on any machine, without a GPU (cross-compiling). Ship the
 directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
 those configurations and never compiles.
 
@@ -25,8 +26,8 @@ import torch
 
 def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
                 log=print) -> dict[str, int]:
-    """Make sure ``root`` holds both directions of every combination (and the serving
-    op's kernel where it applies); counts of kernels compiled and already present."""
+    """Make sure ``root`` holds both directions of every combination and the serving op's
+    kernels; counts of kernels compiled and already present."""
     from . import host
     from .kernels import extend_plan
 

@@ -2,9 +2,10 @@
 
 The op (SPEC 8) extends per-request state by new THD-packed tokens and emits the rows of the
 blocks they complete. It mutates the two state tensors in place and is inference only: an
-Autograd kernel refuses gradient requests. CUDA runs the CuTe-DSL kernel (kernels/extend.py)
-for register-window configurations, every other case ``csa_ops.reference_extend``. The fake
-lives in ``csa_ops.meta.serving``; ``CompressorState`` owns the state.
+Autograd kernel refuses gradient requests. CUDA runs a CuTe-DSL kernel of the forward's
+family (kernels/extend.py for register windows, the streaming family's extend kernel in
+kernels/streaming.py for larger ones); every other case runs ``csa_ops.reference_extend``.
+The fake lives in ``csa_ops.meta.serving``; ``CompressorState`` owns the state.
 """
 
 from __future__ import annotations
@@ -238,16 +239,16 @@ def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     ``cu_seqlens_comp`` (B+1,) int32. ``total_comp=None`` returns exactly the true row count
     (a host sync on CUDA); an int is a static capacity (padding rows exact zeros, no sync).
 
-    Numerics (bitwise run-to-run deterministic everywhere): on CUDA, windows
-    ``coff * ratio <= 32`` (the register-window family, which holds the production CSA
-    configurations) run one CuTe-DSL kernel that pools each row with the forward kernel's
-    own per-column softmax and flags, so every row is bit-identical to the row the CUDA
-    ``csa::compressor`` computes for that block over the whole sequence. Everything else
-    runs the reference, whose rows are bit-identical to ``csa_ops.reference`` on the same
-    device (the CPU ``csa::compressor``): larger windows on CUDA (the streaming family, e.g.
-    ratio 128, whose forward is within one rounding step of it), fp64, other archs, tensors
-    of state whose base breaks the kernel's alignment (``kv_state``: kv's vector width,
-    ``score_state``: 16 bytes). Slots must be distinct and in range and positions >= 0:
+    Numerics (bitwise run-to-run deterministic everywhere): on CUDA, a CuTe-DSL kernel of
+    the forward's family pools each row with the forward kernel's own row code and flags
+    (register windows ``coff * ratio <= 32``, which hold the production CSA configurations,
+    and the streaming family's larger windows, e.g. ratio 128), so every row is
+    bit-identical to the row the CUDA ``csa::compressor`` computes for that block over the
+    whole sequence. Everything else runs the reference, whose rows are bit-identical to
+    ``csa_ops.reference`` on the same device (the CPU ``csa::compressor``): fp64, fp32 at
+    windows > 32, other archs, tensors of state whose base breaks the kernel's alignment
+    (``kv_state``: kv's vector width, ``score_state``: 16 bytes), and streaming-family
+    calls whose tokens or state exceed 2**31 elements. Slots must be distinct and in range and positions >= 0:
     checked on CPU; on CUDA such inputs give unspecified rows and state but never an access
     out of bounds (the kernel leaves such a request's slot alone and zeroes its rows).
     Inference only.

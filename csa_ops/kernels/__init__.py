@@ -2,7 +2,9 @@
 
 Per family, a plan module without the DSL (window_plan, streaming_plan: keys, support,
 launch plans) and a device module (window: register-window kernels for coff * ratio <=
-window_plan.WINDOW_MAX; streaming: large windows). common and reduce hold shared device code.
+window_plan.WINDOW_MAX; streaming: large windows). common and reduce hold shared device code,
+requests the request helpers of both families' csa::compressor_extend kernels (extend_plan
+picks the family's: extend.py, or streaming.py's extend kernel).
 """
 
 from .families import FAMILIES, select_key

@@ -184,6 +184,17 @@ class _Streaming:
                 gA[(None, (t, half * self.ncv + c))].store(zero.load())
                 gB[(None, (t, half * self.ncv + c))].store(zero.load())
 
+    def _coordinates(self):
+        """(tid, bid, column block, row group, lane, the warp's column vector, its warp
+        index among the warps of that vector) of this thread."""
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        cb = bid % self.cb
+        rg = bid // self.cb
+        lane = tid % 32
+        warp = tid // 32
+        return tid, bid, cb, rg, lane, warp % self.cv, warp // self.cv
+
     # ---------------------------------------------------------------- the kernel
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
@@ -192,14 +203,7 @@ class _Streaming:
                num_segs: Int32, groups: Int32):
         VEC, CV, S, R, W = self.vec, self.cv, self.stages, self.r, self.w
         cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        cb = bid % self.cb
-        rg = bid // self.cb
-        lane = tid % 32
-        warp = tid // 32
-        cvw = warp % CV
-        wp = warp // CV
+        tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
 
         smem = cutlass.memory.SmemAllocator()
         sTile = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, self.wpad, 2, S)),
@@ -610,6 +614,13 @@ class _StreamingExtend(_Streaming):
         if lane == 0 and wp == 0 and cb * self.cv + cvw < self.ncv:
             self._store(gOut[(None, (n, cb * self.cv + cvw))], [Float32(0.0)] * self.vec)
 
+    def _slot_entry(self, r, tid, cb, st1):
+        """(entry, column vector, position) of a thread's r-th (entry, column vector) pair of
+        a slot in the state update; the entry holds position st1 + entry."""
+        idx = tid + self.nt * r
+        e = idx // self.cv
+        return e, cb * self.cv + idx % self.cv, st1 + e
+
     @cute.jit
     def _update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, tid, cb):
         """SPEC 8's state for `end` tokens, this CTA's columns: entry e then holds position
@@ -617,18 +628,14 @@ class _StreamingExtend(_Streaming):
         entry, or the initial state before position 0); other entries stay. Per coff-half,
         every thread loads its entries' sources, a barrier, then every thread stores (a
         moved entry's source is another entry of the slot)."""
-        CV, R, W, VEC = self.cv, self.r, self.w, self.vec
+        R, W, VEC = self.r, self.w, self.vec
         shift = (end // R - start // R) * R
         st1 = (end // R - (self.co - 1)) * R
         for h in cutlass.range_constexpr(self.co):
             rK = cute.make_rmem_tensor((VEC, self.loads), self.dtype)
             rF = cute.make_rmem_tensor((VEC, self.loads), Float32)
             for r in cutlass.range_constexpr(self.loads):
-                idx = tid + self.nt * r
-                e = idx // CV
-                c = idx % CV
-                colc = cb * CV + c
-                pos = st1 + e
+                e, colc, pos = self._slot_entry(r, tid, cb, st1)
                 if e < W and colc < self.ncv and pos < end:
                     gc = h * self.ncv + colc
                     if pos >= start:
@@ -642,11 +649,7 @@ class _StreamingExtend(_Streaming):
                         rF[None, r].store(gSs[(None, (src, gc))].load())
             cute.arch.barrier()
             for r in cutlass.range_constexpr(self.loads):
-                idx = tid + self.nt * r
-                e = idx // CV
-                c = idx % CV
-                colc = cb * CV + c
-                pos = st1 + e
+                e, colc, pos = self._slot_entry(r, tid, cb, st1)
                 if e < W and colc < self.ncv and pos < end:
                     dst = slot * W + e
                     gc = h * self.ncv + colc
@@ -670,14 +673,7 @@ class _StreamingExtend(_Streaming):
                       groups: Int32):
         CV, R, C = self.cv, self.r, self.co
         cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        cb = bid % self.cb
-        rg = bid // self.cb
-        lane = tid % 32
-        warp = tid // 32
-        cvw = warp % CV
-        wp = warp // CV
+        tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
 
         smem = cutlass.memory.SmemAllocator()
         # The forward's tile layout, kv in slot 1; the score slot aliases it (stride 0): the
