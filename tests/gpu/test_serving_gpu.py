@@ -32,6 +32,9 @@ CASES = [
     (4, 1, 256, torch.float16, (257, 8), 9, None),
     (5, 2, 65, torch.float32, (211, 0, 14), 11, 1),
     (1, 1, 64, torch.float16, (40, 7), 5, 2),
+    # streaming-family windows past the register windows: odd widths, one-element vectors
+    (64, 2, 65, torch.float16, (300, 129, 0, 64), 70, 2),
+    (33, 1, 96, torch.bfloat16, (200, 33, 5), 40, None),
 ]
 
 
