@@ -1,4 +1,5 @@
-"""Timers and ceilings: per-call wall time, CUDA-graph kernel time, copy bandwidth.
+"""Timers and ceilings: per-call wall time, CUDA-graph replay time, kernel time from the
+profiler, copy bandwidth.
 
 Every timed sample is a batch of back-to-back calls that rotate over input sets whose total
 size exceeds L2, so no call finds its inputs cached; a sample's time is divided by the batch
@@ -100,6 +101,29 @@ def time_graph(graph: torch.cuda.CUDAGraph, batch: int, warmup: int,
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e-3)
+    return _median_per_call(samples, batch)
+
+
+def kernel_time(fn: Callable[[int], object], batch: int, warmup: int,
+                iters: int) -> tuple[float, list[float]]:
+    """Median seconds per call of the GPU kernels ``fn(i)`` launches (i in 0..batch-1),
+    from the profiler's kernel records (CUPTI): the sum of their durations, without the
+    launch gaps between kernels that a graph replay still has."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(max(warmup, 1)):
+        for i in range(batch):
+            fn(i)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(batch):
+                fn(i)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        samples.append(sum(e.time_range.elapsed_us() for e in kernels) * 1e-6)
     return _median_per_call(samples, batch)
 
 
