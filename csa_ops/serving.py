@@ -248,9 +248,10 @@ def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     ``csa_ops.reference`` on the same device (the CPU ``csa::compressor``): fp64, fp32 at
     windows > 32, other archs, tensors of state whose base breaks the kernel's alignment
     (``kv_state``: kv's vector width, ``score_state``: 16 bytes), and streaming-family
-    calls whose tokens or state exceed 2**31 elements. Slots must be distinct and in range and positions >= 0:
-    checked on CPU; on CUDA such inputs give unspecified rows and state but never an access
-    out of bounds (the kernel leaves such a request's slot alone and zeroes its rows).
+    calls whose tokens or state exceed 2**31 elements. Slots must be distinct and in range
+    and positions >= 0: checked on CPU; on CUDA such inputs give unspecified rows and state
+    but never an access out of bounds (the kernel leaves such a request's slot alone and
+    zeroes its rows).
     Inference only.
     """
     return torch.ops.csa.compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots,

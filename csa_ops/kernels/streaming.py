@@ -273,6 +273,11 @@ class _Streaming:
             self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
                            num_tokens, num_rows, num_segs, groups)
 
+    def _ape_chunk(self, half, colc, h):
+        """gApe's column of chunk h (av fp32 values) of column vector colc in coff-half
+        `half`."""
+        return ((half * self.ncv + colc) * self.vec) // self.av + h
+
     @cute.jit
     def _stage_ape(self, gApe, sApe, tid, cb):
         """The CTA's ape tile: entry k (ape row k % ratio, coff-half k // ratio) of each of
@@ -286,8 +291,8 @@ class _Streaming:
             colc = cb * CV + c
             if k < self.w and colc < self.ncv:
                 half = k // R
-                col = ((half * self.ncv + colc) * VEC) // self.av + h
-                sApe[(None, k, h, c)].store(gApe[(None, (k - half * R, col))].load())
+                sApe[(None, k, h, c)].store(
+                    gApe[(None, (k - half * R, self._ape_chunk(half, colc, h)))].load())
 
     @cute.jit
     def _issue(self, j, st, sT0, sFl, sTile, sG, gSc, gKV, gGo, tid, cb, rg, groups,
@@ -440,7 +445,7 @@ class _Streaming:
                     frag = cute.make_rmem_tensor((self.av,), Float32)
                     for v in cutlass.range_constexpr(self.av):
                         frag[v] = gacc[i * VEC + h * self.av + v]
-                    c = ((half * self.ncv + colw) * VEC) // self.av + h
+                    c = self._ape_chunk(half, colw, h)
                     gWork[(None, (rg * R + k - half * R, c))].store(frag.load())
         T = num_tokens
         for s in cutlass.range(rg, num_segs, groups, unroll=1):
@@ -534,10 +539,10 @@ class _StreamingExtend(_Streaming):
     the batch's row counts to place its items (requests.Batch). A row gathers its window
     into the forward's tile, kv from the new tokens or the state, and logits into an fp32
     tile: fp32(score) + ape as the forward adds them (ape read from L2, not staged: a decode
-    CTA needs a single entry of it), or the state's stored logit. It then
-    pools through the forward's own `_row`, so rows are bit-identical to the CUDA
-    csa::compressor's. A request's rows and its update run in one CTA per column block, so
-    CTA barriers order every state read before the writes.
+    CTA needs a single entry of it), or the state's stored logit. It then pools through the
+    forward's own `_row`, so rows are bit-identical to the CUDA csa::compressor's. A
+    request's rows and its update run in one CTA per column block, so CTA barriers order
+    every state read before the writes.
     """
 
     def __init__(self, key: KernelKey):
@@ -558,8 +563,7 @@ class _StreamingExtend(_Streaming):
         half = k // self.r
         for h in cutlass.range_constexpr(self.ah):
             part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
-            col = ((half * self.ncv + colc) * self.vec) // self.av + h
-            part.store(gApe[(None, (k - half * self.r, col))].load())
+            part.store(gApe[(None, (k - half * self.r, self._ape_chunk(half, colc, h)))].load())
         lg = cute.make_rmem_tensor((self.vec,), Float32)
         for v in cutlass.range_constexpr(self.vec):
             lg[v] = sc[v] + ap[v]
