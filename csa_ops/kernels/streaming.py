@@ -669,6 +669,40 @@ class _StreamingExtend(_Streaming):
                         gSs[(None, (dst, gc))].store(ninf.load())
             cute.arch.barrier()
 
+    @cute.jit
+    def _quiet_update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, lane, cb):
+        """`_update` for a request that completes no block (end // ratio == start // ratio,
+        a decode step's usual case), by one warp: no entry moves, so no store can clobber
+        another entry's source and no barrier is needed. Entry e holds position st1 + e:
+        the new tokens at [start, end) and, for coff 2 before the first block completes,
+        the initial state at negative positions; other entries stay."""
+        R, W, CV = self.r, self.w, self.cv
+        st1 = (end // R - (self.co - 1)) * R
+        per_entry = CV * self.co  # (column vector, coff-half) pairs of one entry
+        for u in cutlass.range(lane, (end - start) * per_entry, 32, unroll=1):
+            e = start - st1 + u // per_entry
+            h = (u // CV) % self.co
+            colc = cb * CV + u % CV
+            if colc < self.ncv:
+                t = tok0 + (st1 + e - start)
+                gc = h * self.ncv + colc
+                dst = slot * W + e
+                gKVs[(None, (dst, gc))].store(gKV[(None, (t, gc))].load())
+                gSs[(None, (dst, gc))].store(
+                    self._new_logits(gSc, gApe, t, gc, h * R + e % R, colc).load())
+        if const_expr(self.co == 2):
+            for u in cutlass.range(lane, cutlass.min(cutlass.max(-st1, Int32(0)), Int32(W))
+                                   * per_entry, 32, unroll=1):
+                e = u // per_entry
+                gc = ((u // CV) % self.co) * self.ncv + cb * CV + u % CV
+                if cb * CV + u % CV < self.ncv:
+                    zero = cute.make_rmem_tensor((self.vec,), self.dtype)
+                    zero.fill(0.0)
+                    ninf = cute.make_rmem_tensor((self.vec,), Float32)
+                    ninf.fill(-math.inf)
+                    gKVs[(None, (slot * W + e, gc))].store(zero.load())
+                    gSs[(None, (slot * W + e, gc))].store(ninf.load())
+
     @cute.kernel
     def extend_kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor,
                       mCu: cute.Tensor, mStart: cute.Tensor, mSlots: cute.Tensor,
@@ -720,6 +754,17 @@ class _StreamingExtend(_Streaming):
             mCuc[num_reqs] = total
         cute.arch.barrier()
 
+        # Requests that complete no block only write their new tokens' entries: one warp
+        # each, all of the CTA's at once, before the items that need the whole CTA.
+        for j in cutlass.range(tid // 32, ni, self.batch.warps, unroll=1):
+            item = rg + j * groups
+            if item < num_reqs:
+                ok, tok0, start, length, slot, rows = self.batch.request(
+                    mCu, mStart, mSlots, item, num_tokens, num_slots)
+                if ok and rows == 0:
+                    self._quiet_update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length,
+                                       slot, lane, cb)
+
         tiles = (sTile, sLg, gApe, sRed, gKV, gSc, gKVs, gSs, gOut)
         for j in cutlass.range(ni, unroll=1):
             item = rg + j * groups
@@ -735,7 +780,7 @@ class _StreamingExtend(_Streaming):
                                        lane, cvw, wp, cb)
                         else:
                             self._zero_row(gOut, n, lane, cvw, wp, cb)
-                if ok:
+                if ok and rows != 0:  # the others' updates ran above
                     self._update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot,
                                  tid, cb)
             else:
