@@ -162,6 +162,16 @@ def _compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, s
 _PREPARED = dispatch.PreparedCalls()
 
 
+def _kernel_extent(problem, rows: int, kv, kv_state) -> int:
+    """The largest element index the extend kernel forms in int32: output rows for both
+    families; the streaming family's layouts index tokens and state entries in int32 too
+    (register windows compute 64-bit offsets there)."""
+    extent = rows * problem.key.head_dim
+    if problem.key.family == "streaming":
+        extent = max(extent, kv.numel(), kv_state.numel())
+    return extent
+
+
 def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp):
     """The prepared call of a validated signature: the kernel where one runs it (the
     reference for a call whose state tensors it cannot take), else the reference."""
@@ -175,12 +185,7 @@ def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp)
         return reference_extend.compressor_extend_reference(
             kv, score, ape, *tensors[3:], ratio, coff, total_comp)
 
-    # The streaming family's extend kernel indexes tokens, state entries and rows with
-    # int32 layouts; register windows compute 64-bit offsets and only need int32 rows.
-    sizes = (rows * problem.key.head_dim,) if problem is not None else ()
-    if problem is not None and problem.key.family == "streaming":
-        sizes += (kv.numel(), kv_state.numel())
-    if problem is None or max(sizes) > INT32_MAX:
+    if problem is None or _kernel_extent(problem, rows, kv, kv_state) > INT32_MAX:
         return _PREPARED.remember(signature, reference)
     kernel = host.prepare_extend(problem, kv.shape[0], rows, start_pos.shape[0],
                                  kv_state.shape[0], kv.dtype, kv.device)

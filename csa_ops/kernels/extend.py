@@ -22,7 +22,6 @@ from . import common as cm
 from . import requests, window
 
 
-
 def _column_fast(g, rL, rKV, i, first):
     logits, m = window._window_logits(g, lambda k: Float32(rL[i, k]), first)
     return window._pool_fast(g, logits, m, lambda k: Float32(rKV[i, k]), first)

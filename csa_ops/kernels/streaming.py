@@ -201,9 +201,9 @@ class _Streaming:
                mCuc: cute.Tensor, gOut: cute.Tensor, gGo: cute.Tensor, gGkv: cute.Tensor,
                gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32, groups: Int32):
-        VEC, CV, S, R, W = self.vec, self.cv, self.stages, self.r, self.w
+        VEC, CV, S = self.vec, self.cv, self.stages
         cm.await_upstream(self.pdl)
-        tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
+        tid, _, cb, rg, lane, cvw, wp = self._coordinates()
 
         smem = cutlass.memory.SmemAllocator()
         sTile = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, self.wpad, 2, S)),
@@ -282,7 +282,7 @@ class _Streaming:
     def _stage_ape(self, gApe, sApe, tid, cb):
         """The CTA's ape tile: entry k (ape row k % ratio, coff-half k // ratio) of each of
         its column vectors, fp32, in av-wide chunks."""
-        VEC, CV, R = self.vec, self.cv, self.r
+        CV, R = self.cv, self.r
         for r in cutlass.range_constexpr(self.kt * self.ah):
             q = tid + self.nt * r
             k = q // (CV * self.ah)
@@ -625,6 +625,16 @@ class _StreamingExtend(_Streaming):
         e = idx // self.cv
         return e, cb * self.cv + idx % self.cv, st1 + e
 
+    def _store_initial(self, gKVs, gSs, entry, gc):
+        """The initial state of a slot entry's column vector gc: value 0, logit -inf (the
+        forward's constants for the entries before a sequence)."""
+        zero = cute.make_rmem_tensor((self.vec,), self.dtype)
+        zero.fill(0.0)
+        ninf = cute.make_rmem_tensor((self.vec,), Float32)
+        ninf.fill(-math.inf)
+        gKVs[(None, (entry, gc))].store(zero.load())
+        gSs[(None, (entry, gc))].store(ninf.load())
+
     @cute.jit
     def _update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, tid, cb):
         """SPEC 8's state for `end` tokens, this CTA's columns: entry e then holds position
@@ -661,12 +671,7 @@ class _StreamingExtend(_Streaming):
                         gKVs[(None, (dst, gc))].store(rK[None, r].load())
                         gSs[(None, (dst, gc))].store(rF[None, r].load())
                     elif pos < 0:  # before the sequence (coff 2, no complete block yet)
-                        zero = cute.make_rmem_tensor((VEC,), self.dtype)
-                        zero.fill(0.0)
-                        ninf = cute.make_rmem_tensor((VEC,), Float32)
-                        ninf.fill(-math.inf)
-                        gKVs[(None, (dst, gc))].store(zero.load())
-                        gSs[(None, (dst, gc))].store(ninf.load())
+                        self._store_initial(gKVs, gSs, dst, gc)
             cute.arch.barrier()
 
     @cute.jit
@@ -696,12 +701,7 @@ class _StreamingExtend(_Streaming):
                 e = u // per_entry
                 gc = ((u // CV) % self.co) * self.ncv + cb * CV + u % CV
                 if cb * CV + u % CV < self.ncv:
-                    zero = cute.make_rmem_tensor((self.vec,), self.dtype)
-                    zero.fill(0.0)
-                    ninf = cute.make_rmem_tensor((self.vec,), Float32)
-                    ninf.fill(-math.inf)
-                    gKVs[(None, (slot * W + e, gc))].store(zero.load())
-                    gSs[(None, (slot * W + e, gc))].store(ninf.load())
+                    self._store_initial(gKVs, gSs, slot * W + e, gc)
 
     @cute.kernel
     def extend_kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor,
