@@ -740,8 +740,10 @@ class _StreamingExtend(_Streaming):
                 mCuc[b] = running
             if b >= rg and (b - rg) % groups == 0 and (b - rg) // groups < ni:
                 sBase[(b - rg) // groups] = running
-            # This CTA's rows among the request's [running, running + rows_b).
-            lo = cutlass.max(running, Int32(0))
+            # This CTA's rows among the request's [running, running + rows_b). lo is clamped
+            # to num_rows: a running count that wrapped near INT32_MAX (adversarial
+            # cu_seqlens) must not overflow n0 into a negative row and item index.
+            lo = cutlass.min(cutlass.max(running, Int32(0)), num_rows)
             n0 = lo + ((rg - num_reqs - lo) % groups + groups) % groups
             hi = cutlass.min(running + rows_b, num_rows)
             for n in cutlass.range(n0, hi, groups, unroll=1):
