@@ -57,6 +57,24 @@ def test_chunked_extend_matches_cuda_compressor(case):
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1)])
+def test_decode_batch_with_a_long_piece_and_padding(ratio, coff):
+    """A decode step whose every request completes a block, batched with one long piece
+    whose rows (state-reading ones, then rows of new tokens only) follow theirs, then 300
+    padding rows: row items of every kind in one launch."""
+    decoders, long = 40, 11 * ratio + 3
+    lengths = [2 * ratio] * decoders + [long]
+    req = make_requests(lengths, ratio, coff, 128, torch.bfloat16, device="cuda", seed=4)
+    schedule = [[(i, 2 * ratio - 1) for i in range(decoders)],
+                [(i, 1) for i in range(decoders)] + [(decoders, long)]]
+    slot_of = permuted_slots(len(lengths), len(lengths) + 3, 4)
+    state = CompressorState(len(lengths) + 3, ratio, coff, 128, torch.bfloat16, "cuda")
+    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=300)
+    assert consumed == lengths
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
 def _decode_inputs(batch, ratio, coff, head_dim, num_slots, steps, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     width = coff * head_dim
