@@ -68,6 +68,9 @@ class WindowKnobs(_Knobs):
     fast_exp: bool = False
     balance: bool = True  # backward shared memory padded to cap CTAs per SM (window.py)
     min_ctas: int = 0  # CTAs per SM the register allocation must allow (0: compiler's choice)
+    # csa::compressor_extend only: one-token requests load their state update before the
+    # row scan (kernels/extend.py). It costs registers: only the decode-sized key sets it.
+    preload_decode: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

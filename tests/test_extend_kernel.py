@@ -141,6 +141,8 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
         [0, 0, 0, 1, 1, 2, 2]
     decode, mid, prefill = (extend_plan.for_size(forward, size) for size in range(3))
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
+    assert decode.knobs.preload_decode and not (mid.knobs.preload_decode or
+                                                forward.knobs.preload_decode)
     assert (mid.knobs.vec, mid.knobs.threads) == (forward.knobs.vec, 256)
     assert prefill == forward
     assert extend_plan.keys(forward) == (decode, mid, prefill)

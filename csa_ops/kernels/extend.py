@@ -21,6 +21,8 @@ from ..config import KernelKey
 from . import common as cm
 from . import requests, window
 
+DECODE_MOVED = 7  # most state entries a decode request's update keeps in registers
+
 
 def _column_fast(g, rL, rKV, i, first):
     logits, m = window._window_logits(g, lambda k: Float32(rL[i, k]), first)
@@ -189,6 +191,66 @@ def _build(key: KernelKey):
                             cute.autovec_copy(rZ, cute.make_tensor(p_kvs + off, V))
                             cute.autovec_copy(rI, cute.make_tensor(p_ss + off, V))
 
+    # One-token requests (decode) update their slot from values loaded before the row
+    # scan: the token's coff halves and, when the token completes a block at coff 2, the
+    # half-0 values of that block's state entries (its half 1 is the window's). No load then
+    # stands between a decode request's row and its update. Up to DECODE_MOVED entries.
+    moved = R - 1 if C == 2 and R - 1 <= DECODE_MOVED else 0
+    preload = key.knobs.preload_decode
+
+    def is_decode(ok, start, length, heads):
+        """A one-token request whose new state starts at a position >= 0 (no initial-state
+        entries to write), and that moves no more entries than `moved`: update_state's work,
+        done by preload_decode and store_decode."""
+        decode = ok & (length == 1) & (start + 1 >= (C - 1) * R)
+        if cutlass.const_expr(C == 2 and moved == 0):
+            decode = decode & (heads == 0)
+        return decode
+
+    @cute.jit
+    def preload_decode(p_kv, p_score, p_kvs, p_ss, rNK, rNS, rMK, rML, tok0, slot, heads, cv):
+        """store_decode's sources: the token's kv and score per coff-half (rNK, rNS) and the
+        moved entries' half-0 kv and logits (rMK, rML)."""
+        tok = Int64(tok0) * row_elems + cv * V
+        for h in cutlass.range_constexpr(C):
+            off = cute.assume(tok + h * D, divby=V)
+            cute.autovec_copy(cute.make_tensor(p_kv + off, V), rNK[None, h])
+            cute.autovec_copy(cute.make_tensor(p_score + off, V), rNS[None, h])
+        if cutlass.const_expr(moved > 0):  # noqa: SIM102 (compile-time, then run-time test)
+            if heads > 0:  # entry R + e holds the completed block's position e
+                slot_base = Int64(slot) * slot_elems + cv * V
+                for e in cutlass.range_constexpr(moved):
+                    off = cute.assume(slot_base + (R + e) * row_elems, divby=V)
+                    cute.autovec_copy(cute.make_tensor(p_kvs + off, V), rMK[None, e])
+                    cute.autovec_copy(cute.make_tensor(p_ss + off, V), rML[None, e])
+
+    @cute.jit
+    def store_decode(p_kvs, p_ss, sApe, rKV, rL, rNK, rNS, rMK, rML, start, slot, heads, cv,
+                     cvl):
+        """update_state's stores for a decode request (is_decode): the token's entry and,
+        for a completed block at coff 2, the block's entries moved to 0..R-1 (half 0
+        preloaded, half 1 the window's entries R..2R-1: the same values update_state loads
+        from the old state). At coff 1 a completed block leaves no entry below `end`."""
+        slot_base = Int64(slot) * slot_elems + cv * V
+        if heads == 0 or cutlass.const_expr(C == 2):
+            e_new = start - ((start + 1) // R - (C - 1)) * R
+            for h in cutlass.range_constexpr(C):
+                rF = cute.make_rmem_tensor((V,), Float32)
+                for i in cutlass.range_constexpr(V):
+                    rF[i] = cm.add_rn(Float32(rNS[i, h]), sApe[h * R + e_new % R, cvl * V + i])
+                off = cute.assume(slot_base + e_new * row_elems + h * D, divby=V)
+                cute.autovec_copy(rNK[None, h], cute.make_tensor(p_kvs + off, V))
+                cute.autovec_copy(rF, cute.make_tensor(p_ss + off, V))
+        if cutlass.const_expr(moved > 0):  # noqa: SIM102 (compile-time, then run-time test)
+            if heads > 0:
+                for e in cutlass.range_constexpr(moved):
+                    off = cute.assume(slot_base + e * row_elems, divby=V)
+                    cute.autovec_copy(rMK[None, e], cute.make_tensor(p_kvs + off, V))
+                    cute.autovec_copy(rML[None, e], cute.make_tensor(p_ss + off, V))
+                    off = cute.assume(off + D, divby=V)
+                    cute.autovec_copy(rKV[None, R + e], cute.make_tensor(p_kvs + off, V))
+                    cute.autovec_copy(rL[None, R + e], cute.make_tensor(p_ss + off, V))
+
     @cute.kernel
     def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
                num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
@@ -223,6 +285,11 @@ def _build(key: KernelKey):
         length = Int32(0)
         slot = Int32(0)
         heads = Int32(0)
+        decode = cutlass.Boolean(False)
+        rNK = cute.make_rmem_tensor((V, C), g.dtype)
+        rNS = cute.make_rmem_tensor((V, C), g.dtype)
+        rMK = cute.make_rmem_tensor((V, max(moved, 1)), g.dtype)
+        rML = cute.make_rmem_tensor((V, max(moved, 1)), Float32)
         if active and item < num_reqs:
             ok, tok0, start, length, slot, rows = batch.request(cu, starts, slots, item,
                                                                 num_tokens, num_slots)
@@ -230,6 +297,11 @@ def _build(key: KernelKey):
             if ok and heads > 0:
                 gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, start // R, start, tok0, slot,
                        cv)
+            if cutlass.const_expr(preload):
+                decode = is_decode(ok, start, length, heads)
+            if decode:
+                preload_decode(p_kv, p_score, p_kvs, p_ss, rNK, rNS, rMK, rML, tok0, slot, heads,
+                               cv)
 
         # The CTA's column chunk of ape, (W, cvc*V) fp32, as the forward stages it.
         for kk in cutlass.range_constexpr(-(-(W * g.cvc) // nt)):
@@ -280,8 +352,12 @@ def _build(key: KernelKey):
                             finish_logits(rSc, rL, sApe, q0 + h, start, cvl)
                             if base + h >= 0 and base + h < num_rows:
                                 pool_store(p_out, rKV, rL, base + h, q0 + h, cv)
-                    update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start, start + length,
-                                 slot, cv, cvl)
+                    if decode:
+                        store_decode(p_kvs, p_ss, sApe, rKV, rL, rNK, rNS, rMK, rML, start, slot,
+                                     heads, cv, cvl)
+                    else:
+                        update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start,
+                                     start + length, slot, cv, cvl)
                 else:
                     for h in cutlass.range_constexpr(C):
                         if h < heads and base + h >= 0 and base + h < num_rows:

@@ -35,6 +35,9 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # 3.24 / 5.42 us with vec 2 / 128 threads (4.03 / 4.43 / 6.37); batch 1024 17.7 us with
 # vec 4 / 256 threads (22.5; vec 2 / 128: 31.2); prefill 4 x 2048 is best with the
 # forward's own knobs (16.4 us; vec 2 / 128: 17.3). Small calls want more, narrower CTAs.
+# Decode-sized calls also preload one-token requests' state updates (kernel time at batch
+# 64 / 256: 2.78 / 5.16 us against 3.10 / 5.49); at the mid and prefill keys the registers
+# it costs (142 / 146 against 122 / 118) made batch 1024 25.0 us and prefill 19.4.
 SIZE_LIMITS = (256, 2048)  # new tokens: the largest call of each size class but the last
 
 
@@ -49,7 +52,7 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
     if key.family == "streaming":
         return key
     if size == 0:
-        return from_forward(key, vec=min(key.knobs.vec, 2), threads=128)
+        return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, preload_decode=True)
     if size == 1:
         return from_forward(key, threads=max(key.knobs.threads, 256))
     return from_forward(key)
