@@ -46,6 +46,8 @@ CASES = (
     ("streaming", 128, 2, 512, "bfloat16", "f", {"pdl": 1}),
     ("window", 4, 2, 512, "bfloat16", "e", {}),
     ("window", 4, 2, 512, "bfloat16", "e", {"vec": 2, "threads": 128}),
+    ("window", 4, 2, 512, "bfloat16", "e", {"vec": 2, "threads": 128, "preload_decode": 1}),
+    ("window", 4, 1, 128, "bfloat16", "e", {"vec": 2, "threads": 128, "preload_decode": 1}),
     ("window", 4, 1, 256, "float16", "e", {}),
     ("window", 5, 2, 65, "float32", "e", {}),
     ("streaming", 128, 1, 512, "bfloat16", "e", {}),
