@@ -14,7 +14,7 @@ import torch
 from helpers import config_id
 
 from csa_ops import host
-from csa_ops.config import ARCHS, LaunchPlan
+from csa_ops.config import ARCHS, LaunchPlan, with_knobs
 from csa_ops.kernels import extend_plan, streaming_plan, window_plan
 
 CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, a wide window, dtypes,
@@ -69,6 +69,23 @@ def test_rows_pool_with_the_forward_operations(cfg):
     state_logits = key.window * key.coff * key.knobs.vec
     assert ext.count("add.rn.f32") == sites * fwd.count("add.rn.f32") + state_logits
     assert "ld.local" not in ext and "st.local" not in ext
+
+
+@pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16")],
+                         ids=("r4c2", "r4c1"))
+def test_preloaded_decode_updates_add_only_the_token_logits(cfg):
+    # The decode key's preloaded updates (preload_decode) store what update_state stores:
+    # against the same key without them, every pooling operation is unchanged and the only
+    # new float operations are the token's logits, one add per coff-half and column.
+    decode = extend_plan.for_size(extend_plan.configure(*cfg, "sm_90a"), 0)
+    assert decode.knobs.preload_decode
+    with_preload = host.ptx("ext", decode)
+    without = host.ptx("ext", with_knobs(decode, preload_decode=0))
+    for op in _POOL_OPS:
+        assert len(re.findall(op, with_preload)) == len(re.findall(op, without)), op
+    extra = decode.coff * decode.knobs.vec
+    assert with_preload.count("add.rn.f32") == without.count("add.rn.f32") + extra
+    assert "ld.local" not in with_preload and "st.local" not in with_preload
 
 
 @pytest.mark.parametrize("cfg", [(128, 1, 512, "bfloat16"), (128, 2, 512, "bfloat16")],
