@@ -46,6 +46,14 @@ def _build(key: KernelKey):
     load_window, _, _ = window._window_io(g)
     smem_bytes = (W * g.cvc * V + 2 * g.rpc + warps) * 4 + 64
 
+    def slot_offset(slot, cv):
+        """Element offset of column vector cv in entry 0 of a state slot."""
+        return Int64(slot) * slot_elems + cv * V
+
+    def token_offset(t, cv):
+        """Element offset of column vector cv in token t (its coff-half 0)."""
+        return Int64(t) * row_elems + cv * V
+
     def ape_row(k):
         # ape offset of window entry k (row k % R, column half k // R), k known at run time.
         if cutlass.const_expr(C == 1):
@@ -60,12 +68,12 @@ def _build(key: KernelKey):
         and those of block -1 are the forward's constants (value 0)."""
         win0 = (q - (C - 1)) * R
         st0 = (start // R - (C - 1)) * R
-        slot_base = Int64(slot) * slot_elems + cv * V
+        slot_base = slot_offset(slot, cv)
         for k in cutlass.range_constexpr(W):
             col = g.entries[k][1]
             pos = win0 + k
             if pos >= start:
-                off = cute.assume(Int64(tok0 + (pos - start)) * row_elems + cv * V + col,
+                off = cute.assume(token_offset(tok0 + (pos - start), cv) + col,
                                   divby=V)
                 cute.autovec_copy(cute.make_tensor(p_kv + off, V), rKV[None, k])
                 cute.autovec_copy(cute.make_tensor(p_score + off, V), rSc[None, k])
@@ -144,7 +152,7 @@ def _build(key: KernelKey):
         read before anything writes it."""
         shift = (end // R - start // R) * R
         st1 = (end // R - (C - 1)) * R
-        slot_base = Int64(slot) * slot_elems + cv * V
+        slot_base = slot_offset(slot, cv)
         for e0 in cutlass.range_constexpr(0, W, group):
             span = min(group, W - e0)
             rK = cute.make_rmem_tensor((V, span, C), g.dtype)
@@ -154,7 +162,7 @@ def _build(key: KernelKey):
                 pos = st1 + (e0 + j)
                 if pos < end:
                     if pos >= start:
-                        tok = Int64(tok0 + (pos - start)) * row_elems + cv * V
+                        tok = token_offset(tok0 + (pos - start), cv)
                         for h in cutlass.range_constexpr(C):
                             off = cute.assume(tok + h * D, divby=V)
                             cute.autovec_copy(cute.make_tensor(p_kv + off, V), rK[None, j, h])
@@ -211,14 +219,14 @@ def _build(key: KernelKey):
     def preload_decode(p_kv, p_score, p_kvs, p_ss, rNK, rNS, rMK, rML, tok0, slot, heads, cv):
         """store_decode's sources: the token's kv and score per coff-half (rNK, rNS) and the
         moved entries' half-0 kv and logits (rMK, rML)."""
-        tok = Int64(tok0) * row_elems + cv * V
+        tok = token_offset(tok0, cv)
         for h in cutlass.range_constexpr(C):
             off = cute.assume(tok + h * D, divby=V)
             cute.autovec_copy(cute.make_tensor(p_kv + off, V), rNK[None, h])
             cute.autovec_copy(cute.make_tensor(p_score + off, V), rNS[None, h])
         if cutlass.const_expr(moved > 0):  # noqa: SIM102 (compile-time, then run-time test)
             if heads > 0:  # entry R + e holds the completed block's position e
-                slot_base = Int64(slot) * slot_elems + cv * V
+                slot_base = slot_offset(slot, cv)
                 for e in cutlass.range_constexpr(moved):
                     off = cute.assume(slot_base + (R + e) * row_elems, divby=V)
                     cute.autovec_copy(cute.make_tensor(p_kvs + off, V), rMK[None, e])
@@ -231,7 +239,7 @@ def _build(key: KernelKey):
         for a completed block at coff 2, the block's entries moved to 0..R-1 (half 0
         preloaded, half 1 the window's entries R..2R-1: the same values update_state loads
         from the old state). At coff 1 a completed block leaves no entry below `end`."""
-        slot_base = Int64(slot) * slot_elems + cv * V
+        slot_base = slot_offset(slot, cv)
         if heads == 0 or cutlass.const_expr(C == 2):
             e_new = start - ((start + 1) // R - (C - 1)) * R
             for h in cutlass.range_constexpr(C):
