@@ -7,6 +7,7 @@ per add. Vectorized over rows, tokens and columns; the only Python loop is over 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -75,11 +76,27 @@ def _sequential_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total
 
 
+@functools.cache
+def _settle_cpu_exp(dtype: torch.dtype) -> None:
+    """One single-threaded exp per dtype before any parallel one. On the CPU, torch's exp runs
+    through MKL VML, which picks its kernel on a function's first call; concurrent first calls
+    from intra-op threads can run a low-accuracy kernel on one thread's chunk (relative error
+    1.5e-4 instead of 6e-8, that call only: pytorch/pytorch#188792). A one-element call
+    settles the choice, so every call of the reference computes the same bits."""
+    torch.exp(torch.zeros(1, dtype=dtype))
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        _settle_cpu_exp(x.dtype)
+    return torch.exp(x)
+
+
 def window_softmax(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over dim 1 of (N, W, d) logits; shared with csa_ops.reference_extend so the
     serving op's rows stay bit-identical to the forward's."""
     m = logits.amax(dim=1, keepdim=True)
-    e = torch.exp(logits - m)
+    e = _exp(logits - m)
     return e / _sequential_sum(e)[:, None, :]
 
 

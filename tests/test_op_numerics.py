@@ -7,6 +7,8 @@ window; bf16 reference within one bf16 rounding of an fp64 oracle.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import time
 
 import hypothesis
@@ -351,3 +353,34 @@ def test_autograd_saves_only_the_inputs():
     for tensor, expected in zip(saved, inputs):
         assert tensor.data_ptr() == expected.data_ptr() and tensor.shape == expected.shape
     out.sum().backward()
+
+
+_FIRST_CALL = """
+import hashlib, torch, csa_ops
+gen = torch.Generator().manual_seed(0)
+x = torch.randn(3567, 512, generator=gen)
+kv, score = (x @ torch.randn(512, 256, generator=gen) / 40 for _ in range(2))  # as a block's
+ape = torch.randn(4, 256, generator=gen) / 50
+cu, cuc = csa_ops.offsets_for([1000, 3, 2047, 517], 4)
+outs = [torch.ops.csa.compressor(kv, score, ape, cu, cuc, 4, 2, None) for _ in range(2)]
+print(hashlib.sha256(outs[0].numpy().tobytes()).hexdigest(), torch.equal(*outs))
+"""
+
+
+def test_first_cpu_call_of_a_process_is_bitwise_the_steady_one():
+    """The CPU op's first call in a fresh process (the first parallel exp of the process)
+    computes the same bits as later calls and as every other process: MKL VML can run a
+    low-accuracy exp kernel on one thread's chunk of a function's first concurrent call
+    (pytorch/pytorch#188792). The race fires in a fraction of fresh processes (without the
+    settling exp, two in five runs of this test fail on a 2-core machine), so twelve run,
+    two at a time: oversubscribed processes rarely start their worker threads together."""
+    results = []
+    for _ in range(6):
+        runs = [subprocess.Popen([sys.executable, "-c", _FIRST_CALL], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            results.append((run.returncode, out, err))
+    assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
+    lines = {out.strip() for _, out, _ in results}
+    assert len(lines) == 1 and lines.pop().endswith("True"), lines
