@@ -56,19 +56,41 @@ def signature(tensors, *scalars) -> tuple | None:
 
 class PreparedCalls(dict):
     """Signature -> prepared call, cleared when it reaches `limit` entries (shapes that
-    change every call must not grow it without bound)."""
+    change every call must not grow it without bound).
+
+    Native prepared calls (csa_ops.native) are also entered in `table`, a C++ CallTable
+    that builds a call's signature, finds its call and makes it in one step; a call it
+    does not hold returns None there and takes the Python route."""
 
     def __init__(self, limit: int = 4096) -> None:
         super().__init__()
         self.limit = limit
         self.registered = False  # with the launch path, which clears it (see launch_path)
+        self.table = None
 
-    def remember(self, signature: tuple | None, call):
+    def remember(self, signature: tuple | None, call, args: tuple = (), tensors: int = 0):
+        """Enter `call` for `signature`; `args` (the call's arguments, `tensors` of them
+        the prepared call's own) enter a native call in the C++ table too."""
         if signature is not None:
             if len(self) >= self.limit:
                 self.clear()
             self[signature] = call
+            if args and type(call).__name__ == "PreparedCall":
+                if self.table is None:
+                    self.table = _native_module().CallTable()
+                self.table.insert(call, tensors, *args)
         return call
+
+    def clear(self) -> None:
+        super().clear()
+        if self.table is not None:
+            self.table.clear()
+
+
+def _native_module():
+    from . import native
+
+    return native.module()
 
 
 def launch_path(memo: PreparedCalls):

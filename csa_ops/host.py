@@ -426,6 +426,14 @@ def _realigned(tensors: list[torch.Tensor], align: tuple[int, ...]):
     return [t.data_ptr() for t in copies], copies
 
 
+def _native():
+    # Imported on first use, not with this module: `python -m csa_ops.native` runs it as
+    # __main__ in a process that has imported the package (and, on CUDA, this module).
+    from . import native
+
+    return native
+
+
 # The prepared calls below are the per-call hot path: everything that depends only on the
 # call's metadata is computed once in prepare_*, and each call makes its inputs contiguous,
 # upcasts ape to the kernels' fp32 (exact) and allocates its outputs, then launches.
@@ -439,6 +447,14 @@ def prepare_forward(problem: Problem, num_tokens: int, total_comp: int, num_segs
     if total_comp == 0:
         return lambda *tensors: torch.empty(shape, dtype=dtype, device=device)
     plan = problem.family.plan_forward(key, num_tokens, total_comp, problem.num_sms)
+    call = _native().prepared_call(
+        _CACHE.get("fwd", key), ARGUMENTS["fwd"], launch_signature("fwd", key),
+        inputs=("kv", "score", "ape", "cu", "cuc"), outputs={"out": ("kv", shape)},
+        constants={"num_tokens": num_tokens, "num_rows": total_comp, "num_segs": num_segs,
+                   "grid": plan.grid},
+        workspace=plan.workspace, workspace_alias="out", to_float=("ape",) * upcast_ape)
+    if call is not None:
+        return call
     kernel = _launcher_for(problem, "fwd")
     stream, index = launcher.current_stream_handle, problem.device_index
     align = (key.align_bytes, key.align_bytes, 16, 4, 4, key.align_bytes)
@@ -469,13 +485,24 @@ def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs:
     reduced in fp32 and rounded once to ape's dtype."""
     key = problem.key
     plan = problem.family.plan_backward(key, num_tokens, num_rows, problem.num_sms)
+    upcast_ape = ape_dtype != torch.float32
+    call = _native().prepared_call(
+        _CACHE.get("bwd", key), ARGUMENTS["bwd"], launch_signature("bwd", key),
+        inputs=("grad_out", "kv", "score", "ape", "cu", "cuc"),
+        outputs={"grad_kv": ("kv", None), "grad_score": ("score", None),
+                 "grad_ape": ("ape", None)},
+        constants={"num_tokens": num_tokens, "num_rows": num_rows, "num_segs": num_segs,
+                   "grid": plan.grid},
+        workspace=plan.workspace, workspace_alias="grad_ape", to_float=("ape",) * upcast_ape,
+        restore=(("grad_ape", "ape"),) * upcast_ape)
+    if call is not None:
+        return call
     kernel = _launcher_for(problem, "bwd")
     stream, index = launcher.current_stream_handle, problem.device_index
     a = key.align_bytes
     align = (a, a, a, 16, 4, 4, a, a, 16)
     tail = (num_tokens, num_rows, num_segs, plan.grid)
     workspace = plan.workspace
-    upcast_ape = ape_dtype != torch.float32
 
     def backward(grad_out, kv, score, ape, cu, cuc):
         grad_out, kv, score = grad_out.contiguous(), kv.contiguous(), score.contiguous()

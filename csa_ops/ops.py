@@ -67,10 +67,16 @@ def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check)
         def call(*args):
             return run(*_contiguous(*args), *scalars)
 
-    return _PREPARED.remember(signature, call)
+    scalars = (ratio, coff) if direction == "bwd" else (ratio, coff, total_comp)
+    return _PREPARED.remember(signature, call, (*tensors, *scalars), len(tensors))
 
 
 def _compressor_cuda(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
+    if _PREPARED.table is not None and total_comp is not None:
+        out = _PREPARED.table(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                              total_comp)
+        if out is not None:
+            return out
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     if total_comp is None:
         # The documented host sync of the None form (validation first: cuc may be anything).
@@ -96,6 +102,11 @@ def _compressor_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, 
 
 
 def _compressor_backward_cuda(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
+    if _PREPARED.table is not None:
+        grads = _PREPARED.table(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio,
+                                coff)
+        if grads is not None:
+            return grads
     args = (grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp)
     signature = dispatch.signature(args, ratio, coff)
     call = _PREPARED.get(signature) or _prepare_cuda(

@@ -5,7 +5,9 @@ configurations, dtypes and archs (csa::compressor's two directions and
 csa::compressor_extend's kernels: one per call size class for register windows, one for
 the streaming family), on any machine, without a GPU (cross-compiling). Ship the
 directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
-those configurations and never compiles.
+those configurations and never compiles. It also builds the native launch library
+(``csa_ops.native``) for this machine's torch into the same directory; a machine with another
+torch builds its own on first use.
 
     python -m csa_ops.precompile --ratio 4 --coff 2 --head-dim 128 512 \\
         --dtype bfloat16 --arch sm_90a sm_100a --cache-dir ./csa-kernels
@@ -17,6 +19,7 @@ import argparse
 import itertools
 import os
 import pathlib
+import subprocess
 import sys
 import time
 import types
@@ -60,11 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", nargs="+", default=list(config.ARCHS), choices=config.ARCHS)
     parser.add_argument("--cache-dir", type=pathlib.Path, default=None,
                         help="default: $CSA_OPS_CACHE_DIR or the user cache directory")
+    parser.add_argument("--no-native", action="store_true",
+                        help="skip building the native launch library (csa_ops.native) for "
+                             "this machine's torch")
     return parser
 
 
 def main(argv=None) -> int:
-    from . import kernel_cache, launcher
+    from . import kernel_cache, launcher, native
 
     args = _parser().parse_args(argv)
     if not launcher.TVM_FFI:
@@ -80,6 +86,13 @@ def main(argv=None) -> int:
         print(f"csa_ops.precompile: {error}", file=sys.stderr)
         return 2
     print(f"{root}: {counts['compiled']} kernels compiled, {counts['present']} already present")
+    if not args.no_native and native.enabled():
+        try:
+            print(f"native launch library: {native.build(pathlib.Path(root))}")
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", None) or error
+            print(f"csa_ops.precompile: the native launch library did not build; calls run "
+                  f"the Python path ({str(detail).strip().splitlines()[-1:]})", file=sys.stderr)
     return 0
 
 

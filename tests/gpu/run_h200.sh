@@ -27,6 +27,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "
 python3 -c "import torch, cutlass; print(torch.__version__, torch.version.cuda, cutlass.__version__)" \
   >> "$OUT/summary.txt" 2>&1
 
+# The native launch path's library (csa_ops.native): built once here, in the user cache, which
+# the test sessions copy it from (tests/conftest.py) and the benchmarks load it from.
+python3 -m csa_ops.native build >> "$OUT/summary.txt" 2>&1
+
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
 # job NAME SECONDS DIR COMMAND...: runs in the background in DIR, logs to logs/NAME.log.
 job() {
@@ -55,6 +59,7 @@ if wants tests; then
   job graphs "$T" "$ROOT" $PYTEST tests/gpu/test_graphs.py tests/gpu/test_kernel_cache_gpu.py
   job lowering "$T" "$ROOT" $PYTEST tests/gpu/test_lowering_gpu.py
   job serving "$T" "$ROOT" $PYTEST tests/gpu/test_serving_gpu.py
+  job native "$T" "$ROOT" $PYTEST tests/gpu/test_native_gpu.py
 fi
 if wants sanitize; then
   # Without the caching allocator every tensor is its own allocation, so memcheck sees any

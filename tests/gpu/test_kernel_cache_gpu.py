@@ -1,5 +1,6 @@
 """The persistent kernel cache on a GPU: a fresh process with a deployed cache runs both
-directions with zero compiles, and its results are bitwise those of an in-memory JIT run."""
+directions with zero compiles, through the native launch path the deployment built, and its
+results are bitwise those of an in-memory JIT run (Python launch path)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 _RUN = textwrap.dedent("""
     import sys, torch
     import csa_ops
-    from csa_ops import host
+    from csa_ops import host, native
     torch.manual_seed(0)
     cu, cuc = csa_ops.offsets_for([1000, 3, 517], 4, "cuda")
     tokens = int(cu[-1])
@@ -27,14 +28,15 @@ _RUN = textwrap.dedent("""
     out.backward(torch.randn_like(out))
     torch.save([t.cpu() for t in (out, kv.grad, score.grad, ape.grad)], sys.argv[1])
     info = host.cache_info()
-    print(info["misses"], info["disk_loads"], int("cutlass" in sys.modules))
+    print(info["misses"], info["disk_loads"], int("cutlass" in sys.modules),
+          int(native.module() is not None))
 """)
 
 
 def _run(path, env):
     done = subprocess.run([sys.executable, "-c", _RUN, str(path)], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=600, check=True)
-    return [int(x) for x in done.stdout.split()[-3:]]
+    return [int(x) for x in done.stdout.split()[-4:]]
 
 
 def test_deployed_cache_runs_without_compiling_and_matches_a_jit_run(tmp_path):
@@ -46,9 +48,10 @@ def test_deployed_cache_runs_without_compiling_and_matches_a_jit_run(tmp_path):
                     "--head-dim", "128", "--arch", arch, "--cache-dir", str(cache)],
                    capture_output=True, text=True, timeout=600, check=True)
     jit = _run(tmp_path / "jit.pt", {"CSA_OPS_CACHE": "0"})
-    assert jit[:2] == [2, 0]  # compiled in memory, nothing loaded
+    assert jit[:2] == [2, 0] and jit[3] == 0  # compiled in memory, nothing loaded, no cache
     loaded = _run(tmp_path / "cached.pt", {"CSA_OPS_CACHE_DIR": str(cache)})
-    assert loaded == [0, 2, 0]  # zero compiles, two loads, the DSL never imported
+    # Zero compiles, two loads, the DSL never imported, the deployed native library.
+    assert loaded == [0, 2, 0, 1]
     for a, b in zip(torch.load(tmp_path / "jit.pt"), torch.load(tmp_path / "cached.pt")):
         assert torch.equal(a, b)
 
@@ -60,6 +63,7 @@ def test_public_dsl_call_fallback_matches_the_tvm_ffi_launch(tmp_path):
     public = _run(tmp_path / "public.pt", {"CSA_OPS_TVM_FFI": "0",
                                            "CSA_OPS_CACHE_DIR": str(tmp_path / "unused")})
     assert tvm[:2] == public[:2] == [2, 0]  # both compiled in memory, nothing loaded
+    assert tvm[3] == public[3] == 0  # no cache, no native library
     assert not (tmp_path / "unused").exists() or not any((tmp_path / "unused").iterdir())
     for a, b in zip(torch.load(tmp_path / "tvm.pt"), torch.load(tmp_path / "public.pt")):
         assert torch.equal(a, b)

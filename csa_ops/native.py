@@ -1,0 +1,231 @@
+"""The native launch path: prepared kernel calls in C++ (csa_ops/csrc/prepared_call.cpp).
+
+A prepared call's per-call work (contiguity, the ape upcast, output and workspace allocation
+through torch's caching allocator, the TVM-FFI kernel call on torch's current stream) costs
+several microseconds per tensor in Python; the C++ object does it in about one. It is a
+torch C++ extension, so it is built per machine against the installed torch and tvm_ffi, and
+kept in the kernel cache directory (``native/``) under a tag of everything it depends on.
+
+- ``python -m csa_ops.precompile`` (and ``csa_ops.precompile``) builds it, like the kernels.
+- Otherwise the first CUDA call that prepares a kernel call starts the build in a detached
+  process and runs the Python path until the library exists; calls prepared after that use
+  it. Its results are the Python path's bit for bit (the same kernels, arguments and
+  allocations).
+- ``CSA_OPS_NATIVE=0`` turns it off; without the kernel cache (``CSA_OPS_CACHE=0``) or
+  without a C++ compiler everything runs the Python path.
+
+    python -m csa_ops.native build [--cache-dir DIR]   # build now (prints the path)
+    python -m csa_ops.native status                    # where it is, and whether it loads
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+from . import kernel_cache
+
+ENABLE_ENV = "CSA_OPS_NATIVE"
+MODULE = "csa_ops_native"
+SOURCE = pathlib.Path(__file__).resolve().parent / "csrc" / "prepared_call.cpp"
+# A build that started this long ago and left no library is taken as dead.
+_BUILD_PATIENCE_S = 600.0
+
+
+def enabled() -> bool:
+    return (os.environ.get(ENABLE_ENV, "1") not in ("0", "", "false", "off")
+            and kernel_cache.enabled())
+
+
+def tag() -> str:
+    """Digest of everything the library depends on: its source, torch (version and build),
+    tvm_ffi, the Python ABI and the machine."""
+    import torch
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, str(torch.version.git_version),
+                 str(torch.compiled_with_cxx11_abi()), kernel_cache._version("apache-tvm-ffi"),
+                 sys.implementation.cache_tag, platform.machine()):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+def library_path(root: pathlib.Path | None = None) -> pathlib.Path:
+    root = kernel_cache.directory() if root is None else root
+    return root / "native" / f"{MODULE}.{tag()}.so"
+
+
+def _import(path: pathlib.Path):
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+_LOADED: list[Any] = []  # [module or None] once decided for this process
+_BUILD_STARTED: list[bool] = []
+
+
+def module():
+    """The loaded extension, or None (disabled, not built yet, or unloadable). A missing
+    library starts one background build per process; a later call picks up its result."""
+    if _LOADED:
+        return _LOADED[0]
+    if not enabled():
+        _LOADED.append(None)
+        return None
+    path = library_path()
+    if not path.exists():
+        _start_background_build(path)
+        return None
+    try:
+        loaded = _import(path)
+    except (ImportError, OSError) as error:
+        warnings.warn(f"csa_ops: discarding the native launch library {path} ({error}); "
+                      f"calls run the Python path", RuntimeWarning, stacklevel=2)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        loaded = None
+    _LOADED.append(loaded)
+    return loaded
+
+
+def _start_background_build(path: pathlib.Path) -> None:
+    if _BUILD_STARTED:
+        return
+    _BUILD_STARTED.append(True)
+    marker = path.with_suffix(".building")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if marker.exists() and time.time() - marker.stat().st_mtime < _BUILD_PATIENCE_S:
+            return  # another process is building it
+        marker.touch()
+        log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 (the child owns it)
+    except OSError:
+        return
+    with log:
+        subprocess.Popen(_build_command(path), stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _build_command(path: pathlib.Path) -> list[str]:
+    # Not ``-m csa_ops.native``: importing the package on a CUDA machine imports this
+    # module first, and runpy warns about running a module already imported.
+    return [sys.executable, "-c", "import sys; from csa_ops.native import main; "
+            "sys.exit(main(sys.argv[1:]))", "build", "--cache-dir", str(path.parent.parent)]
+
+
+def build(root: pathlib.Path | None = None) -> pathlib.Path:
+    """Build the library into the cache under ``root`` now (in a child process, which also
+    checks that it loads) and return its path; a valid existing library is kept."""
+    path = library_path(root)
+    if path.exists():
+        return path
+    subprocess.run(_build_command(path), check=True, capture_output=True, text=True)
+    return path
+
+
+def _build_here(root: pathlib.Path) -> pathlib.Path:
+    """The build itself (run as ``python -m csa_ops.native build``): compile in a private
+    directory, import the result, then publish it by atomic rename."""
+    import tvm_ffi.libinfo
+    from torch.utils import cpp_extension
+
+    path = library_path(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    libdir = str(pathlib.Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+        cpp_extension.load(
+            name=MODULE, sources=[str(SOURCE)], build_directory=tmp,
+            extra_cflags=["-O2"], extra_include_paths=[tvm_ffi.libinfo.find_include_path(),
+                                                       tvm_ffi.libinfo.find_dlpack_include_path()],
+            extra_ldflags=[f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"],
+            is_python_module=True, verbose=False)
+        staged = pathlib.Path(tmp) / f"{MODULE}.publish"
+        shutil.copyfile(pathlib.Path(tmp) / f"{MODULE}.so", staged)
+        os.chmod(staged, 0o755)
+        os.replace(staged, path)
+    with contextlib.suppress(OSError):
+        path.with_suffix(".building").unlink()
+    return path
+
+
+def prepared_call(function: Any, arguments, signature, inputs, outputs, constants,
+                  workspace: int, workspace_alias: str, to_float=(), restore=()):
+    """A C++ prepared call of a TVM-FFI kernel function, or None where the native path does
+    not run (see the module docstring).
+
+    arguments, signature: the kernel's argument list (host.ARGUMENTS[direction]) and its
+    slots (host.launch_signature), which give each pointer's assumed alignment. inputs: the
+    names of the call's tensors, in the order the call takes them. outputs: name -> (name
+    of the input whose dtype and device it takes, shape or None for that input's shape).
+    constants: the scalar arguments. workspace: fp32 scratch elements; with none, the
+    workspace argument is the output ``workspace_alias``. to_float: inputs read as fp32;
+    restore: (output, input) pairs, the output cast back to that input's dtype as passed.
+    """
+    try:
+        import tvm_ffi
+    except ImportError:
+        return None
+    if not isinstance(function, tvm_ffi.Function):
+        return None  # the DSL's own wrapper (no tvm_ffi, or a kernel compiled in memory)
+    native = module()
+    if native is None:
+        return None
+    inputs, out_names = list(inputs), list(outputs)
+    slots = []
+    for name, _ in arguments:
+        if name in inputs:
+            slots.append((native.INPUT, inputs.index(name)))
+        elif name in outputs:
+            slots.append((native.OUTPUT, out_names.index(name)))
+        elif name == "workspace":
+            slots.append((native.WORKSPACE, 0) if workspace
+                         else (native.OUTPUT, out_names.index(workspace_alias)))
+        else:
+            slots.append((native.CONSTANT, int(constants[name])))
+    aligned = {name: slot[2] for (name, _), slot in zip(arguments, signature) if slot[0] == "ptr"}
+    specs = [(inputs.index(like), None if shape is None else list(shape))
+             for like, shape in outputs.values()]
+    # The C++ object holds its own reference to the function.
+    return native.PreparedCall(
+        function.__chandle__(), slots, [aligned.get(name, 0) for name in inputs],
+        [inputs.index(name) for name in to_float], specs,
+        [(out_names.index(o), inputs.index(i)) for o, i in restore], workspace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m csa_ops.native",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("build", "status"))
+    parser.add_argument("--cache-dir", type=pathlib.Path, default=None,
+                        help="cache root (default: the kernel cache directory)")
+    args = parser.parse_args(argv)
+    root = kernel_cache.directory() if args.cache_dir is None else args.cache_dir
+    if args.command == "build":
+        print(_build_here(root))
+        return 0
+    path = library_path(root)
+    print(f"{path}: {'present' if path.exists() else 'absent'}; enabled: {enabled()}")
+    if path.exists():
+        _import(path)
+        print("loads")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

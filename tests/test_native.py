@@ -1,0 +1,287 @@
+"""The native launch path (csa_ops.native) on the CPU: the C++ prepared call builds against
+the installed torch, and a recording TVM-FFI function in place of a kernel shows that each
+argument reaches it by name, inputs are made contiguous, aligned and upcast, outputs are
+allocated, filled and cast back, errors surface, bad programs are refused; the library is
+cached, tagged, rebuilt in the background when missing and discarded when corrupt."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import tvm_ffi
+
+from csa_ops import host, native
+
+BWD_INPUTS = ("grad_out", "kv", "score", "ape", "cu", "cuc")
+BWD_OUTPUTS = {"grad_kv": ("kv", None), "grad_score": ("score", None),
+               "grad_ape": ("ape", None)}
+BWD_CONSTANTS = {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 7}
+
+
+@pytest.fixture(scope="module")
+def built_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native-cache")
+    path = native.build(root)
+    assert path == native.library_path(root) and path.exists()
+    return root
+
+
+@pytest.fixture
+def fresh_module_state(monkeypatch):
+    """A process that has not yet decided whether it has the library."""
+    monkeypatch.setattr(native, "_LOADED", [])
+    monkeypatch.setattr(native, "_BUILD_STARTED", [])
+
+
+@pytest.fixture
+def loaded(built_root, monkeypatch, fresh_module_state):
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(built_root))
+    module = native.module()
+    assert module is not None
+    return module
+
+
+def _bwd_key():
+    (_, key), = [(d, k) for d, k in host.configuration_keys(4, 128, 2, torch.bfloat16, "sm_90a")
+                 if d == "bwd"]
+    return key
+
+
+def _bwd_call(kernel, workspace=64, upcast=True):
+    key = _bwd_key()
+    return native.prepared_call(
+        tvm_ffi.convert(kernel), host.ARGUMENTS["bwd"], host.launch_signature("bwd", key),
+        BWD_INPUTS, BWD_OUTPUTS, BWD_CONSTANTS, workspace, "grad_ape",
+        to_float=("ape",) * upcast, restore=(("grad_ape", "ape"),) * upcast), key
+
+
+def _tensors(ape_dtype=torch.bfloat16, misaligned_kv=False):
+    torch.manual_seed(0)
+    kv = torch.randn(12, 256).bfloat16()
+    if misaligned_kv:  # a view one element into its allocation
+        kv = torch.cat([torch.zeros(1, dtype=torch.bfloat16), kv.flatten()])[1:].view(12, 256)
+    score = torch.randn(256, 12).bfloat16().t()  # not contiguous
+    ape = torch.randn(4, 256).to(ape_dtype)
+    cu = torch.tensor([0, 12], dtype=torch.int32)
+    cuc = torch.tensor([0, 3], dtype=torch.int32)
+    grad_out = torch.randn(3, 128).bfloat16()
+    return grad_out, kv, score, ape, cu, cuc
+
+
+def _read(address: int, like: torch.Tensor) -> torch.Tensor:
+    """A copy of the memory at ``address`` read as a tensor shaped and typed like ``like``."""
+    raw = (ctypes.c_uint8 * (like.numel() * like.element_size())).from_address(address)
+    return torch.frombuffer(bytearray(raw), dtype=like.dtype).view(like.shape).clone()
+
+
+def test_each_argument_reaches_the_kernel_by_name(loaded):
+    seen = {}
+    names = [name for name, _ in host.ARGUMENTS["bwd"]]
+
+    def kernel(*values):
+        seen.update(zip([*names, "stream"], values))
+        # What the kernel reads: inputs contiguous and aligned, ape as fp32.
+        seen["kv_seen"] = _read(values[names.index("kv")], tensors[1])
+        seen["score_seen"] = _read(values[names.index("score")], tensors[2].contiguous())
+        seen["ape_seen"] = _read(values[names.index("ape")], tensors[3].float())
+        # What it writes: grad_ape in fp32, cast back to ape's dtype by the call.
+        grad_ape = (ctypes.c_float * tensors[3].numel()).from_address(values[names.index("grad_ape")])
+        for i in range(tensors[3].numel()):
+            grad_ape[i] = 1.5 + i
+
+    call, key = _bwd_call(kernel)
+    tensors = _tensors(misaligned_kv=True)
+    grad_kv, grad_score, grad_ape = call(*tensors)
+
+    assert seen["kv"] % key.align_bytes == 0 and seen["kv"] != tensors[1].data_ptr()
+    assert torch.equal(seen["kv_seen"], tensors[1])
+    assert torch.equal(seen["score_seen"], tensors[2].contiguous())
+    assert torch.equal(seen["ape_seen"], tensors[3].float())
+    for name, tensor in zip(BWD_INPUTS, tensors):
+        if name in ("grad_out", "cu", "cuc"):  # already contiguous and aligned: passed as is
+            assert seen[name] == tensor.data_ptr(), name
+    assert seen["grad_kv"] == grad_kv.data_ptr() and seen["grad_score"] == grad_score.data_ptr()
+    assert seen["workspace"] not in {seen[name] for name in ("grad_kv", "grad_score", "grad_ape")}
+    assert [seen[name] for name in BWD_CONSTANTS] == list(BWD_CONSTANTS.values())
+    assert seen["stream"] == 0  # host tensors: no stream
+    assert grad_kv.shape == tensors[1].shape and grad_kv.dtype == torch.bfloat16
+    assert grad_score.shape == tensors[2].shape and grad_score.is_contiguous()
+    assert grad_ape.dtype == torch.bfloat16
+    expected = (1.5 + torch.arange(grad_ape.numel(), dtype=torch.float32)).view(4, 256)
+    assert torch.equal(grad_ape, expected.bfloat16())
+
+
+def test_without_workspace_the_alias_is_passed(loaded):
+    seen = []
+    call, _ = _bwd_call(lambda *values: seen.append(values), workspace=0, upcast=False)
+    tensors = _tensors(ape_dtype=torch.float32)
+    _, _, grad_ape = call(*tensors)
+    names = [name for name, _ in host.ARGUMENTS["bwd"]]
+    assert seen[0][names.index("workspace")] == grad_ape.data_ptr()
+    assert seen[0][names.index("ape")] == tensors[3].data_ptr()  # fp32 already: no copy
+    assert grad_ape.dtype == torch.float32
+
+
+def test_a_single_output_comes_back_as_a_tensor(loaded):
+    (_, key), = [(d, k) for d, k in host.configuration_keys(4, 128, 2, torch.bfloat16, "sm_90a")
+                 if d == "fwd"]
+    call = native.prepared_call(
+        tvm_ffi.convert(lambda *values: None), host.ARGUMENTS["fwd"],
+        host.launch_signature("fwd", key), ("kv", "score", "ape", "cu", "cuc"),
+        {"out": ("kv", (3, 128))}, {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 2},
+        0, "out")
+    _, kv, score, ape, cu, cuc = _tensors(ape_dtype=torch.float32)
+    out = call(kv, score, ape, cu, cuc)
+    assert isinstance(out, torch.Tensor) and out.shape == (3, 128) and out.dtype == kv.dtype
+
+
+def test_kernel_errors_and_bad_calls_raise(loaded):
+    def failing(*values):
+        raise ValueError("the kernel refused")
+
+    call, _ = _bwd_call(failing)
+    tensors = _tensors()
+    with pytest.raises(RuntimeError, match="ValueError: the kernel refused"):
+        call(*tensors)
+    with pytest.raises(RuntimeError, match="expected 6 tensors, got 5"):
+        call(*tensors[:5])
+    with pytest.raises(RuntimeError, match="argument 2 is not a tensor"):
+        call(tensors[0], tensors[1], 3, *tensors[3:])
+
+
+@pytest.mark.parametrize("slots, outputs, restore, workspace, message", [
+    ([(0, 1)], [(0, None)], [], 0, r"bad slot \(0, 1\)"),
+    ([(1, 1)], [(0, None)], [], 0, r"bad slot \(1, 1\)"),
+    ([(2, 0)], [(0, None)], [], 0, r"bad slot \(2, 0\)"),  # a workspace slot, no workspace
+    ([(3, 5)], [(1, None)], [], 0, "output like input 1 of 1"),
+    ([(3, 5)], [(0, None)], [(1, 0)], 0, r"bad restore pair \(1, 0\)"),
+    ([(3, 5)] * 24, [(0, None)], [], 0, "24 slots, at most 23"),
+])
+def test_bad_programs_are_refused(loaded, slots, outputs, restore, workspace, message):
+    function = tvm_ffi.convert(lambda *values: None)
+    with pytest.raises(RuntimeError, match=message):
+        loaded.PreparedCall(function.__chandle__(), slots, [0], [], outputs, restore, workspace)
+    with pytest.raises(RuntimeError, match="null handle"):
+        loaded.PreparedCall(0, [(3, 5)], [0], [], [(0, None)], [], 0)
+
+
+def test_only_tvm_ffi_functions_take_the_native_path(built_root, monkeypatch,
+                                                     fresh_module_state):
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(built_root))
+    key = _bwd_key()
+    args = (host.ARGUMENTS["bwd"], host.launch_signature("bwd", key), BWD_INPUTS, BWD_OUTPUTS,
+            BWD_CONSTANTS, 0, "grad_ape")
+    assert native.prepared_call(lambda *values: None, *args) is None  # the DSL's wrapper
+    monkeypatch.setenv("CSA_OPS_NATIVE", "0")
+    assert native.prepared_call(tvm_ffi.convert(lambda *values: None), *args) is None
+    monkeypatch.delenv("CSA_OPS_NATIVE")
+    monkeypatch.setenv("CSA_OPS_CACHE", "0")  # no cache, no native library
+    assert not native.enabled()
+
+
+def test_the_tag_follows_the_source(monkeypatch, tmp_path):
+    tag = native.tag()
+    changed = tmp_path / "prepared_call.cpp"
+    changed.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    assert native.tag() != tag
+    assert native.library_path(tmp_path).name == f"{native.MODULE}.{native.tag()}.so"
+
+
+def test_a_corrupt_library_is_discarded_with_a_warning(tmp_path, monkeypatch,
+                                                       fresh_module_state):
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))
+    path = native.library_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"\x7fELF truncated")
+    with pytest.warns(RuntimeWarning, match="discarding the native launch library"):
+        assert native.module() is None
+    assert not path.exists()
+    assert native.module() is None  # decided once per process: no second attempt
+
+
+@pytest.mark.slow
+def test_a_missing_library_is_built_in_the_background(built_root, tmp_path, monkeypatch,
+                                                      fresh_module_state):
+    """The first use starts one detached build and carries on without the library; the
+    library it publishes loads in the next process."""
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))
+    path = native.library_path(tmp_path)
+    assert native.module() is None
+    assert path.with_suffix(".building").exists()
+    deadline = time.monotonic() + 300
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert path.exists(), path.with_suffix(".log").read_text()
+    while path.with_suffix(".building").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the builder removes its marker after publishing
+    assert not path.with_suffix(".building").exists()
+    assert not any(p.name.startswith(".build-") for p in path.parent.iterdir())
+    loads = subprocess.run(
+        [sys.executable, "-c", "from csa_ops import native; print(native.module() is not None)"],
+        env={**os.environ, "CSA_OPS_CACHE_DIR": str(tmp_path)}, capture_output=True,
+        text=True, check=True)
+    assert loads.stdout.strip() == "True"
+    assert shutil.which("ninja")  # what cpp_extension builds with
+
+
+def test_a_recent_build_marker_keeps_a_second_process_from_building(tmp_path, monkeypatch,
+                                                                    fresh_module_state):
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))
+    path = native.library_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.with_suffix(".building").touch()
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert native.module() is None
+    assert started == []
+
+
+def test_the_call_table_finds_calls_by_signature(loaded):
+    calls = []
+    call, _ = _bwd_call(lambda *values: calls.append(values))
+    tensors = _tensors()
+    table = loaded.CallTable()
+    table.insert(call, 6, *tensors, 4, 2)
+    grads = table(*tensors, 4, 2)
+    assert len(calls) == 1 and len(grads) == 3 and grads[2].dtype == torch.bfloat16
+    other = _tensors()
+    assert table(*other, 4, 2) is not None  # same metadata, other tensors: the same call
+    misses = [
+        (*tensors, 4, 1),                               # a scalar differs
+        (*tensors, 4, True),                            # a bool is not an int here
+        (*tensors, 4, 2**70),                           # beyond int64
+        (*tensors, 4, None),
+        (tensors[0][:2], *tensors[1:], 4, 2),           # a shape differs
+        (tensors[0].float(), *tensors[1:], 4, 2),       # a dtype differs
+        (*tensors[:5], 4, 2),                           # fewer arguments
+        (*tensors, 4, 2, "extra"),
+    ]
+    for args in misses:
+        assert table(*args) is None
+    assert len(calls) == 2
+    table.clear()
+    assert len(table) == 0 and table(*tensors, 4, 2) is None
+
+
+def test_prepared_calls_enter_native_calls_in_the_table(loaded):
+    from csa_ops import dispatch
+
+    memo = dispatch.PreparedCalls(limit=2)
+    call, _ = _bwd_call(lambda *values: None)
+    tensors = _tensors()
+    signature = dispatch.signature(tensors, 4, 2)
+    assert memo.remember(signature, call, (*tensors, 4, 2), 6) is call
+    assert memo[signature] is call and len(memo.table) == 1
+    assert memo.table(*tensors, 4, 2) is not None
+    memo.remember(dispatch.signature(tensors, 4, 1), lambda *a: None, (*tensors, 4, 1), 6)
+    assert len(memo.table) == 1  # a Python call stays out of the table
+    memo.clear()
+    assert len(memo.table) == 0
