@@ -66,6 +66,18 @@ def _python(code: str, env: dict[str, str]) -> list[float]:
     return [float(x) for x in done.stdout.split()[-4:]] if done.stdout else []
 
 
+def _copy_native_library(cache: pathlib.Path) -> None:
+    """The fresh processes' cache gets this machine's native launch library where it is
+    built (a deployment has it), so their first calls load it and none starts a build."""
+    from csa_ops import native
+
+    built = native.library_path()
+    if built.exists():
+        target = native.library_path(cache)
+        target.parent.mkdir(parents=True)
+        target.write_bytes(built.read_bytes())
+
+
 def fresh_process_costs(device: str, head_dim: int, repeats: int) -> dict:
     imports = [_python(_IMPORT, {}) for _ in range(repeats)]
     result = {
@@ -76,6 +88,7 @@ def fresh_process_costs(device: str, head_dim: int, repeats: int) -> dict:
     }
     with tempfile.TemporaryDirectory() as cache:
         env = {"CSA_OPS_CACHE_DIR": cache}
+        _copy_native_library(pathlib.Path(cache))
         code = _FIRST_CALL.format(device=device, head_dim=head_dim)
         cold = _python(code, env)
         warm = [_python(code, env) for _ in range(repeats)]
@@ -102,8 +115,13 @@ def _per_call_us(fn, calls: int) -> float:
     return best
 
 
-def per_call_costs(calls: int) -> dict:
+def per_call_costs(calls: int, rounds: int = 3) -> dict:
+    """Per-call costs of the op's launch paths: the native one (csa_ops.native, where its
+    library is built) and the Python one, interleaved in rounds with torch.add (this host's
+    per-call times drift between and within processes); each ratio is the median over
+    rounds of the ratio within a round."""
     import csa_ops
+    from csa_ops import host, native
 
     ratio, coff, d, tokens = 4, 2, 128, 256
     cu, cuc = csa_ops.offsets_for([tokens], ratio, "cuda")
@@ -125,18 +143,35 @@ def per_call_costs(calls: int) -> dict:
     def linear_train():
         torch.nn.functional.linear(x, w).backward(grad_lin)
 
-    add = _per_call_us(lambda: torch.add(kv, score), calls)
-    result = {
-        "torch_add_us": add,
-        "forward_us": _per_call_us(lambda: fwd(kv, score, ape, cu, cuc, ratio, coff, rows),
-                                   calls),
-        "backward_op_us": _per_call_us(
-            lambda: bwd(grad_out, kv, score, ape, cu, cuc, ratio, coff), calls),
-        "fwd_bwd_autograd_us": _per_call_us(op_train, calls // 4),
-        "linear_fwd_bwd_autograd_us": _per_call_us(linear_train, calls // 4),
-    }
-    result["forward_x_add"] = result["forward_us"] / add
-    result["backward_op_x_add"] = result["backward_op_us"] / add
+    def one_round() -> dict:
+        add = _per_call_us(lambda: torch.add(kv, score), calls)
+        row = {
+            "torch_add_us": add,
+            "forward_us": _per_call_us(lambda: fwd(kv, score, ape, cu, cuc, ratio, coff, rows),
+                                       calls),
+            "backward_op_us": _per_call_us(
+                lambda: bwd(grad_out, kv, score, ape, cu, cuc, ratio, coff), calls),
+            "fwd_bwd_autograd_us": _per_call_us(op_train, calls // 4),
+            "linear_fwd_bwd_autograd_us": _per_call_us(linear_train, calls // 4),
+        }
+        row["forward_x_add"] = row["forward_us"] / add
+        row["backward_op_x_add"] = row["backward_op_us"] / add
+        return row
+
+    fwd(kv, score, ape, cu, cuc, ratio, coff, rows)  # the first call may start the build
+    paths = {"native": [], "python": []}
+    for _ in range(rounds):
+        if native.module() is not None:
+            host._forget_prepared_calls()
+            paths["native"].append(one_round())
+        with host.python_launch_path():
+            paths["python"].append(one_round())
+    host._forget_prepared_calls()
+    result = {"launch_path": "native" if paths["native"] else "python"}
+    for path, rows_of in paths.items():
+        for name in (rows_of[0] if rows_of else {}):
+            value = statistics.median(row[name] for row in rows_of)
+            result[name if path == result["launch_path"] else f"{path}_{name}"] = value
     return result
 
 

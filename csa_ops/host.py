@@ -13,6 +13,7 @@ persistent cache of `csa_ops.kernel_cache`; a process with a warm cache never im
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -426,12 +427,32 @@ def _realigned(tensors: list[torch.Tensor], align: tuple[int, ...]):
     return [t.data_ptr() for t in copies], copies
 
 
-def _native():
-    # Imported on first use, not with this module: `python -m csa_ops.native` runs it as
-    # __main__ in a process that has imported the package (and, on CUDA, this module).
+_PYTHON_PATH: list[bool] = []  # non-empty within python_launch_path()
+
+
+def _native_call(*args, **kwargs):
+    """csa_ops.native.prepared_call, or None within python_launch_path(). The module is
+    imported here, not with this one: `python -m csa_ops.native` runs it as __main__ in a
+    process that has imported the package (and, on CUDA, this module)."""
+    if _PYTHON_PATH:
+        return None
     from . import native
 
-    return native
+    return native.prepared_call(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def python_launch_path():
+    """Within: calls prepared from here on take the Python launch path, not the native one
+    (benchmarks and tests compare the two). Prepared calls are forgotten on entry and on
+    exit, so each side prepares its own."""
+    _forget_prepared_calls()
+    _PYTHON_PATH.append(True)
+    try:
+        yield
+    finally:
+        _PYTHON_PATH.pop()
+        _forget_prepared_calls()
 
 
 # The prepared calls below are the per-call hot path: everything that depends only on the
@@ -447,7 +468,7 @@ def prepare_forward(problem: Problem, num_tokens: int, total_comp: int, num_segs
     if total_comp == 0:
         return lambda *tensors: torch.empty(shape, dtype=dtype, device=device)
     plan = problem.family.plan_forward(key, num_tokens, total_comp, problem.num_sms)
-    call = _native().prepared_call(
+    call = _native_call(
         _CACHE.get("fwd", key), ARGUMENTS["fwd"], launch_signature("fwd", key),
         inputs=("kv", "score", "ape", "cu", "cuc"), outputs={"out": ("kv", shape)},
         constants={"num_tokens": num_tokens, "num_rows": total_comp, "num_segs": num_segs,
@@ -486,7 +507,7 @@ def prepare_backward(problem: Problem, num_tokens: int, num_rows: int, num_segs:
     key = problem.key
     plan = problem.family.plan_backward(key, num_tokens, num_rows, problem.num_sms)
     upcast_ape = ape_dtype != torch.float32
-    call = _native().prepared_call(
+    call = _native_call(
         _CACHE.get("bwd", key), ARGUMENTS["bwd"], launch_signature("bwd", key),
         inputs=("grad_out", "kv", "score", "ape", "cu", "cuc"),
         outputs={"grad_kv": ("kv", None), "grad_score": ("score", None),

@@ -80,6 +80,11 @@ _LOADED: list[Any] = []  # [module or None] once decided for this process
 _BUILD_STARTED: list[bool] = []
 
 
+def loaded() -> bool:
+    """Whether this process has loaded the library (asks nothing, starts nothing)."""
+    return bool(_LOADED) and _LOADED[0] is not None
+
+
 def module():
     """The loaded extension, or None (disabled, not built yet, or unloadable). A missing
     library starts one background build per process; a later call picks up its result."""
@@ -125,8 +130,8 @@ def _start_background_build(path: pathlib.Path) -> None:
 def _build_command(path: pathlib.Path) -> list[str]:
     # Not ``-m csa_ops.native``: importing the package on a CUDA machine imports this
     # module first, and runpy warns about running a module already imported.
-    return [sys.executable, "-c", "import sys; from csa_ops.native import main; "
-            "sys.exit(main(sys.argv[1:]))", "build", "--cache-dir", str(path.parent.parent)]
+    code = "import sys; from csa_ops.native import main; sys.exit(main(sys.argv[1:]))"
+    return [sys.executable, "-c", code, "build", "--cache-dir", str(path.parent.parent)]
 
 
 def build(root: pathlib.Path | None = None) -> pathlib.Path:

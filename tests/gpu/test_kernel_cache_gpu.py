@@ -29,7 +29,7 @@ _RUN = textwrap.dedent("""
     torch.save([t.cpu() for t in (out, kv.grad, score.grad, ape.grad)], sys.argv[1])
     info = host.cache_info()
     print(info["misses"], info["disk_loads"], int("cutlass" in sys.modules),
-          int(native.module() is not None))
+          int(native.loaded()))
 """)
 
 

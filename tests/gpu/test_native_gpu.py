@@ -38,23 +38,9 @@ def _op_calls(pack, grad_out):
     return (out, *grads)
 
 
-@pytest.fixture
-def python_path(monkeypatch):
-    """Switch to the Python prepared calls (and back at teardown), forgetting prepared calls
-    both times."""
-    def switch():
-        monkeypatch.setattr(native, "module", lambda: None)
-        host._forget_prepared_calls()
-
-    yield switch
-    monkeypatch.undo()
-    host._forget_prepared_calls()
-
-
 @pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
 @pytest.mark.parametrize("spec, dtype, ape_dtype", CASES)
-def test_native_calls_match_the_python_path_bitwise(spec, dtype, ape_dtype, misaligned,
-                                                    python_path):
+def test_native_calls_match_the_python_path_bitwise(spec, dtype, ape_dtype, misaligned):
     assert native.module() is not None, "the session has no native library"
     pack = make_pack(spec, dtype, device="cuda", ape_dtype=ape_dtype)
     if misaligned:
@@ -69,10 +55,10 @@ def test_native_calls_match_the_python_path_bitwise(spec, dtype, ape_dtype, misa
     fast = _op_calls(pack, grad_out)
     assert len(ops._PREPARED.table) >= 2  # the second call of each signature is a table hit
     assert all(torch.equal(a, b) for a, b in zip(_op_calls(pack, grad_out), fast))
-    python_path()
-    assert type(host.prepare("fwd", pack.tensors(), spec.ratio, spec.coff,
-                             spec.capacity)).__name__ == "function"
-    slow = _op_calls(pack, grad_out)
+    with host.python_launch_path():
+        assert type(host.prepare("fwd", pack.tensors(), spec.ratio, spec.coff,
+                                 spec.capacity)).__name__ == "function"
+        slow = _op_calls(pack, grad_out)
     for name, a, b in zip(("out", "grad_kv", "grad_score", "grad_ape"), fast, slow):
         assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), name
         assert_bitwise_equal(a, b, name)
