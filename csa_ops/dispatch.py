@@ -60,13 +60,16 @@ class PreparedCalls(dict):
 
     Native prepared calls (csa_ops.native) are also entered in `table`, a C++ CallTable
     that builds a call's signature, finds its call and makes it in one step; a call it
-    does not hold returns None there and takes the Python route."""
+    does not hold returns None there and takes the Python route. `on_table(module, table)`
+    runs once, when the first native call creates the table (the ops register their C++
+    Autograd kernels on it)."""
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 4096, on_table=None) -> None:
         super().__init__()
         self.limit = limit
         self.registered = False  # with the launch path, which clears it (see launch_path)
         self.table = None
+        self._on_table = on_table  # on_table(native module, table) once the table exists
 
     def remember(self, signature: tuple | None, call, args: tuple = (), tensors: int = 0):
         """Enter `call` for `signature`; `args` (the call's arguments, `tensors` of them
@@ -77,7 +80,10 @@ class PreparedCalls(dict):
             self[signature] = call
             if args and type(call).__name__ == "PreparedCall":
                 if self.table is None:
-                    self.table = _native_module().CallTable()
+                    module = _native_module()
+                    self.table = module.CallTable()
+                    if self._on_table is not None:
+                        self._on_table(module, self.table)
                 self.table.insert(call, tensors, *args)
         return call
 

@@ -51,9 +51,19 @@ def _compressor(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_
                                           total_comp)
 
 
+def _register_native_kernels(module, table) -> None:
+    """With the first native prepared call (csa_ops.native), the ops get C++ kernels at the
+    AutogradCUDA key: a repeated call on plain CUDA tensors that wants no gradient runs its
+    prepared call from the table without entering Python; every other call reaches the
+    Python Autograd kernels below, as before."""
+    module.register_autograd_kernels(table, "CUDA", [
+        ("compressor", _compressor_autograd),
+        ("compressor_backward", _compressor_backward_autograd)])
+
+
 # Metadata signature of a CUDA call -> its prepared call (host.prepare, or the reference when
 # no kernel runs it); see dispatch.signature.
-_PREPARED = dispatch.PreparedCalls()
+_PREPARED = dispatch.PreparedCalls(on_table=_register_native_kernels)
 
 
 def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check):

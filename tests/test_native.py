@@ -285,3 +285,45 @@ def test_prepared_calls_enter_native_calls_in_the_table(loaded):
     assert len(memo.table) == 1  # a Python call stays out of the table
     memo.clear()
     assert len(memo.table) == 0
+
+
+def test_autograd_kernels_run_table_hits_and_defer_everything_else(loaded):
+    """The C++ kernels at a backend's Autograd key (CPU here, CUDA in the package): a call
+    whose signature is in the table runs there; a miss, a gradient to record or an error
+    goes to the Python Autograd kernel, whose exceptions keep their type."""
+    from csa_ops import ops
+
+    launched, deferred = [], []
+    call, _ = _bwd_call(lambda *values: launched.append(values))
+
+    def python_kernel(keyset, *args):
+        deferred.append(keyset)
+        return ops._compressor_backward_autograd(keyset, *args)
+
+    op = torch.ops.csa.compressor_backward.default
+    tensors = _tensors()
+    expected = op(*tensors, 4, 2)  # the reference, before any registration
+    table = loaded.CallTable()
+    loaded.register_autograd_kernels(table, "CPU", [("compressor_backward", python_kernel)])
+    try:
+        with pytest.raises(RuntimeError, match="the Autograd kernels are registered"):
+            loaded.register_autograd_kernels(table, "CPU", [])
+        for a, b in zip(op(*tensors, 4, 2), expected):  # a miss: deferred to Python
+            assert torch.equal(a, b)
+        assert len(deferred) == 1 and not launched
+        table.insert(call, 6, *tensors, 4, 2)
+        grads = op(*tensors, 4, 2)  # a hit: the prepared call, no Python
+        assert len(deferred) == 1 and len(launched) == 1 and grads[2].dtype == torch.bfloat16
+        leaf = tensors[1].clone().requires_grad_(True)
+        op(tensors[0], leaf, *tensors[2:], 4, 2)  # autograd records it: deferred
+        assert len(deferred) == 2 and len(launched) == 1
+        with torch.no_grad():
+            op(tensors[0], leaf, *tensors[2:], 4, 2)  # nothing to record: a hit
+        assert len(deferred) == 2 and len(launched) == 2
+        with pytest.raises(ValueError, match="ratio"):
+            op(*tensors, 0, 2)
+        assert len(deferred) == 3
+    finally:
+        loaded.unregister_autograd_kernels()
+    op(*tensors, 4, 2)
+    assert len(deferred) == 3 and len(launched) == 2

@@ -14,13 +14,19 @@
 #include <ATen/EmptyTensor.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/library.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
 #include <tvm/ffi/c_api.h>
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <unordered_map>
 #include <optional>
 #include <string>
@@ -126,18 +132,16 @@ class PreparedCall {
   PreparedCall(const PreparedCall&) = delete;
   PreparedCall& operator=(const PreparedCall&) = delete;
 
-  // The call: the op's tensors in schema order; returns the output, or a tuple of them.
-  py::object operator()(const py::args& args) const {
+  size_t num_inputs() const { return align_.size(); }
+
+  // The call on the op's tensors in schema order; returns its outputs.
+  c10::SmallVector<at::Tensor, 4> run(c10::ArrayRef<at::Tensor> tensors) const {
     const size_t n = align_.size();
-    TORCH_CHECK(args.size() == n, "csa_ops native call: expected ", n, " tensors, got ",
-                args.size());
+    TORCH_CHECK(tensors.size() == n, "csa_ops native call: expected ", n, " tensors, got ",
+                tensors.size());
     c10::SmallVector<at::Tensor, 8> in;
     c10::SmallVector<at::ScalarType, 8> passed;
-    for (size_t i = 0; i < n; ++i) {
-      PyObject* obj = args[i].ptr();
-      TORCH_CHECK(THPVariable_Check(obj), "csa_ops native call: argument ", i,
-                  " is not a tensor");
-      const at::Tensor& tensor = THPVariable_Unpack(obj);
+    for (const at::Tensor& tensor : tensors) {
       passed.push_back(tensor.scalar_type());
       in.push_back(tensor.contiguous());
     }
@@ -186,18 +190,33 @@ class PreparedCall {
     if (result.type_index >= kTVMFFIStaticObjectBegin) {
       TVMFFIObjectDecRef(result.v_obj);
     }
-
     for (const auto& [o, i] : restore_) {
       out[o] = out[o].to(passed[i]);
     }
+    return out;
+  }
+
+  // The Python call: the op's tensors; the output, or a tuple of them.
+  py::object operator()(const py::args& args) const {
+    c10::SmallVector<at::Tensor, 8> tensors;
+    for (size_t i = 0; i < args.size(); ++i) {
+      PyObject* obj = args[i].ptr();
+      TORCH_CHECK(THPVariable_Check(obj), "csa_ops native call: argument ", i,
+                  " is not a tensor");
+      tensors.push_back(THPVariable_Unpack(obj));
+    }
+    return to_python(run(tensors));
+  }
+
+  static py::object to_python(c10::SmallVector<at::Tensor, 4>&& out) {
     if (out.size() == 1) {
       return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[0])));
     }
-    py::tuple result_tuple(out.size());
+    py::tuple result(out.size());
     for (size_t j = 0; j < out.size(); ++j) {
-      result_tuple[j] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[j])));
+      result[j] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out[j])));
     }
-    return result_tuple;
+    return result;
   }
 
  private:
@@ -219,55 +238,94 @@ class PreparedCall {
 // Metadata signature -> prepared call, looked up and called in one step: what
 // csa_ops.dispatch's memo does in Python, where building the signature alone costs more than
 // a quarter of a call. A signature is the bytes of each argument's metadata: a tensor's
-// shape, dtype and device, an int's value, None. A call whose signature is absent (or holds
-// anything else) returns None and takes the Python route, which validates and prepares it.
+// shape, dtype and device, an int's value, None; the same bytes from Python objects and
+// from the dispatcher's IValues. A call whose signature is absent (or holds anything else)
+// returns None and takes the Python route, which validates and prepares it.
 class CallTable {
  public:
-  void insert(std::shared_ptr<PreparedCall> call, size_t tensors, const py::args& args) {
-    std::string key;
-    TORCH_CHECK(signature(args, key), "CallTable.insert: unsupported argument");
-    entries_[key] = Entry{std::move(call), tensors};
-  }
-
-  py::object operator()(const py::args& args) const {
-    std::string key;
-    if (!signature(args, key)) {
-      return py::none();
-    }
-    const auto found = entries_.find(key);
-    if (found == entries_.end()) {
-      return py::none();
-    }
-    return (*found->second.call)(py::args(args[py::slice(0, found->second.tensors, 1)]));
-  }
-
-  void clear() { entries_.clear(); }
-  size_t size() const { return entries_.size(); }
-
- private:
   struct Entry {
     std::shared_ptr<PreparedCall> call;
     size_t tensors;  // the call takes the leading arguments; the rest are its scalars
   };
 
+  void insert(std::shared_ptr<PreparedCall> call, size_t tensors, const py::args& args) {
+    std::string key;
+    TORCH_CHECK(python_signature(args, key), "CallTable.insert: unsupported argument");
+    TORCH_CHECK(tensors == call->num_inputs() && tensors <= args.size(),
+                "CallTable.insert: the call takes ", call->num_inputs(), " tensors");
+    std::unique_lock lock(mutex_);
+    entries_[key] = Entry{std::move(call), tensors};
+  }
+
+  py::object operator()(const py::args& args) const {
+    std::string key;
+    Entry entry;
+    if (!python_signature(args, key) || !find(key, entry)) {
+      return py::none();
+    }
+    return (*entry.call)(py::args(args[py::slice(0, entry.tensors, 1)]));
+  }
+
+  // Copies the entry out: a call in flight keeps its prepared call alive whatever happens
+  // to the table meanwhile (the C++ kernels read it without holding the GIL).
+  bool find(const std::string& key, Entry& entry) const {
+    std::shared_lock lock(mutex_);
+    const auto found = entries_.find(key);
+    if (found == entries_.end()) {
+      return false;
+    }
+    entry = found->second;
+    return true;
+  }
+
+  static bool ivalue_signature(c10::ArrayRef<c10::IValue> args, std::string& key) {
+    key.reserve(args.size() * 40);
+    for (const c10::IValue& arg : args) {
+      if (arg.isTensor()) {
+        put_tensor(key, arg.toTensor());
+      } else if (arg.isNone()) {
+        put(key, 'N');
+      } else if (arg.isInt()) {
+        put(key, 'I');
+        put(key, arg.toInt());
+      } else {
+        return false;  // symbolic sizes and anything else: the Python route decides
+      }
+    }
+    return true;
+  }
+
+  void clear() {
+    std::unique_lock lock(mutex_);
+    entries_.clear();
+  }
+  size_t size() const {
+    std::shared_lock lock(mutex_);
+    return entries_.size();
+  }
+
+ private:
   static void put(std::string& key, int64_t value) {
     key.append(reinterpret_cast<const char*>(&value), sizeof(value));
   }
 
-  static bool signature(const py::args& args, std::string& key) {
+  static void put_tensor(std::string& key, const at::Tensor& tensor) {
+    put(key, 'T');
+    put(key, tensor.dim());
+    for (int64_t size : tensor.sizes()) {
+      put(key, size);
+    }
+    put(key, static_cast<int64_t>(tensor.scalar_type()));
+    put(key, static_cast<int64_t>(tensor.device().type()));
+    put(key, tensor.device().index());
+  }
+
+  static bool python_signature(const py::args& args, std::string& key) {
     key.reserve(args.size() * 40);
     for (const py::handle& arg : args) {
       PyObject* obj = arg.ptr();
       if (THPVariable_Check(obj)) {
-        const at::Tensor& tensor = THPVariable_Unpack(obj);
-        put(key, 'T');
-        put(key, tensor.dim());
-        for (int64_t size : tensor.sizes()) {
-          put(key, size);
-        }
-        put(key, static_cast<int64_t>(tensor.scalar_type()));
-        put(key, static_cast<int64_t>(tensor.device().type()));
-        put(key, tensor.device().index());
+        put_tensor(key, THPVariable_Unpack(obj));
       } else if (obj == Py_None) {
         put(key, 'N');
       } else if (PyLong_CheckExact(obj)) {
@@ -285,8 +343,116 @@ class CallTable {
     return true;
   }
 
+  mutable std::shared_mutex mutex_;
   std::unordered_map<std::string, Entry> entries_;
 };
+
+// An op's kernel at an Autograd key (AutogradCUDA): a call on plain tensors of the backend
+// that wants no gradient and whose signature is in the table runs its prepared call here,
+// with no Python at all; every other call goes to the op's Python Autograd kernel
+// (csa_ops.ops), which records autograd, validates, prepares and enters new signatures in
+// the table. Registered at the backend's own Autograd key, it takes precedence over the
+// Python kernel at the Autograd alias key, which stays registered for every other backend.
+class AutogradKernel final : public c10::OperatorKernel {
+ public:
+  AutogradKernel(std::shared_ptr<const CallTable> table, PyObject* python_kernel,
+                 c10::DispatchKeySet backend)
+      : table_(std::move(table)), python_kernel_(python_kernel), backend_(backend) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                  torch::jit::Stack* stack) {
+    const size_t n = op.schema().arguments().size();
+    const auto args = torch::jit::last(*stack, n);
+    std::string key;
+    CallTable::Entry entry;
+    if (!plain(keys, args) || !CallTable::ivalue_signature(args, key) ||
+        !table_->find(key, entry)) {
+      call_python(keys, stack, n);
+      return;
+    }
+    c10::SmallVector<at::Tensor, 8> tensors;
+    for (size_t i = 0; i < entry.tensors; ++i) {
+      tensors.push_back(args[i].toTensor());
+    }
+    c10::SmallVector<at::Tensor, 4> out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;  // its own ops record no autograd either
+      out = entry.call->run(tensors);
+    }
+    torch::jit::drop(*stack, n);
+    for (at::Tensor& tensor : out) {
+      torch::jit::push(*stack, std::move(tensor));
+    }
+  }
+
+ private:
+  // Only the backend's dense tensors below autograd, and no gradient to record.
+  bool plain(c10::DispatchKeySet keys, c10::ArrayRef<c10::IValue> args) const {
+    const auto below = (keys & c10::after_autograd_keyset).remove(c10::DispatchKey::ADInplaceOrView);
+    if (below != backend_) {
+      return false;
+    }
+    if (at::GradMode::is_enabled()) {
+      for (const c10::IValue& arg : args) {
+        if (arg.isTensor() && arg.toTensor().requires_grad()) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  void call_python(c10::DispatchKeySet keys, torch::jit::Stack* stack, size_t n) const {
+    py::gil_scoped_acquire gil;
+    py::tuple args(n + 1);
+    args[0] = py::cast(keys);
+    const auto values = torch::jit::last(*stack, n);
+    for (size_t i = 0; i < n; ++i) {
+      args[i + 1] = torch::jit::toPyObject(values[i]);
+    }
+    py::object result = py::reinterpret_borrow<py::object>(python_kernel_)(*args);
+    torch::jit::drop(*stack, n);
+    if (THPVariable_Check(result.ptr())) {
+      torch::jit::push(*stack, THPVariable_Unpack(result.ptr()));
+      return;
+    }
+    for (const py::handle& item : result) {
+      torch::jit::push(*stack, THPVariable_Unpack(item.ptr()));
+    }
+  }
+
+  std::shared_ptr<const CallTable> table_;
+  PyObject* python_kernel_;  // a reference held for the process's life (see register)
+  c10::DispatchKeySet backend_;
+};
+
+// The registration of the ops' AutogradKernels; deleted only by unregister (at exit the
+// dispatcher may already be gone, so it is never destroyed then).
+torch::Library* g_registration = nullptr;
+
+void register_autograd_kernels(std::shared_ptr<CallTable> table, const std::string& backend,
+                               const std::vector<std::pair<std::string, py::object>>& kernels) {
+  TORCH_CHECK(g_registration == nullptr, "csa_ops native: the Autograd kernels are registered");
+  const c10::DispatchKey backend_key = c10::parseDispatchKey(backend);
+  const c10::DispatchKey autograd_key = c10::getAutogradKeyFromBackend(
+      c10::toBackendComponent(backend_key));
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "csa", autograd_key,
+                                                  __FILE__, __LINE__);
+  for (const auto& [name, kernel] : kernels) {
+    // The kernel's Python function lives as long as the process: its reference is never
+    // released (a registration outlives the interpreter's finalization).
+    PyObject* function = kernel.inc_ref().ptr();
+    library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
+                                     std::make_unique<AutogradKernel>(
+                                         table, function, c10::DispatchKeySet(backend_key))));
+  }
+  g_registration = library.release();
+}
+
+void unregister_autograd_kernels() {
+  delete g_registration;
+  g_registration = nullptr;
+}
 
 }  // namespace
 
@@ -304,10 +470,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("function"), py::arg("slots"), py::arg("align"), py::arg("to_float"),
            py::arg("outputs"), py::arg("restore"), py::arg("workspace"))
       .def("__call__", &PreparedCall::operator());
-  py::class_<CallTable>(m, "CallTable")
+  py::class_<CallTable, std::shared_ptr<CallTable>>(m, "CallTable")
       .def(py::init<>())
       .def("insert", &CallTable::insert, py::arg("call"), py::arg("tensors"))
       .def("__call__", &CallTable::operator())
       .def("clear", &CallTable::clear)
       .def("__len__", &CallTable::size);
+  m.def("register_autograd_kernels", &register_autograd_kernels, py::arg("table"),
+        py::arg("backend"), py::arg("kernels"),
+        "Register the ops' C++ kernels at the Autograd key of `backend` (e.g. \"CUDA\"): "
+        "kernels are (op name, Python Autograd kernel to defer to) pairs.");
+  m.def("unregister_autograd_kernels", &unregister_autograd_kernels);
 }

@@ -54,6 +54,8 @@ def test_native_calls_match_the_python_path_bitwise(spec, dtype, ape_dtype, misa
         assert type(call).__name__ == "PreparedCall", direction
     fast = _op_calls(pack, grad_out)
     assert len(ops._PREPARED.table) >= 2  # the second call of each signature is a table hit
+    for op in ("compressor", "compressor_backward"):  # served by the C++ Autograd kernels
+        assert "AutogradCUDA: registered at" in torch._C._dispatch_dump(f"csa::{op}")
     assert all(torch.equal(a, b) for a, b in zip(_op_calls(pack, grad_out), fast))
     with host.python_launch_path():
         assert type(host.prepare("fwd", pack.tensors(), spec.ratio, spec.coff,
