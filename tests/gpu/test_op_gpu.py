@@ -346,8 +346,8 @@ def test_opcheck_on_cuda(spec, dtype, total_comp):
 
 def test_plain_cuda_calls_skip_the_second_dispatch(monkeypatch):
     """Eager calls on plain CUDA tensors reach the kernels from the Autograd-key kernel
-    directly (csa_ops.dispatch), with and without autograd recording, and give the same
-    bits as the dispatcher's own route."""
+    directly (csa_ops.dispatch, or the C++ one of csa_ops.native), with and without autograd
+    recording, and give the same bits as the dispatcher's own route."""
     spec = PackSpec((512, 37), 4, 2, 128, extra_rows=2)
     pack = make_pack(spec, dtype=torch.bfloat16, device="cuda")
     leaves = [t.detach().clone().requires_grad_(True) for t in pack.tensors()[:3]]
@@ -368,10 +368,11 @@ def test_plain_cuda_calls_skip_the_second_dispatch(monkeypatch):
                         lambda self, *a, **k: redispatched.append(self) or original(self, *a, **k))
     again = run()
     assert redispatched == []
-    from csa_ops import dispatch
+    from csa_ops import dispatch, host
 
     monkeypatch.setattr(dispatch, "_PLAIN_CUDA", frozenset())  # force the dispatcher's route
-    via_dispatcher = run()
+    with host.python_launch_path():  # the C++ Autograd kernels (csa_ops.native) then defer
+        via_dispatcher = run()
     assert len(redispatched) >= 3
     for a, b, c in zip(direct, again, via_dispatcher):
         assert_bitwise_equal(a, b)
