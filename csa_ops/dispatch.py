@@ -8,7 +8,9 @@ of several microseconds per call, as much as the kernel launch (torch.library's
 autograd are exactly those of plain CUDA tensors, the dispatcher can only pick the op's
 CUDA kernel, so ``below_autograd`` calls that kernel itself. Any other key set (fake or
 functional tensors under torch.compile, ``__torch_dispatch__`` modes, meta, CPU) goes back
-to the dispatcher, which decides as it always does.
+to the dispatcher, which decides as it always does. Where the native launch path is built,
+its C++ kernels at the AutogradCUDA key run a repeated plain call before any of this
+(csa_ops.native) and hand every other call to these Python kernels.
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 A prepared call's per-call work (contiguity, the ape upcast, output and workspace allocation
 through torch's caching allocator, the TVM-FFI kernel call on torch's current stream) costs
-several microseconds per tensor in Python; the C++ object does it in about one. It is a
-torch C++ extension, so it is built per machine against the installed torch and tvm_ffi, and
-kept in the kernel cache directory (``native/``) under a tag of everything it depends on.
+several microseconds per tensor in Python; the C++ object does it in about one. Beside it:
+a C++ table of prepared calls by metadata signature, and the ops' C++ kernels at the
+AutogradCUDA key, which run a repeated call on plain CUDA tensors from that table without
+entering Python (csa_ops.ops registers them with the first native call). It is a torch C++
+extension, so it is built per machine against the installed torch and tvm_ffi, and kept in
+the kernel cache directory (``native/``) under a tag of everything it depends on.
 
-- ``python -m csa_ops.precompile`` (and ``csa_ops.precompile``) builds it, like the kernels.
+- ``python -m csa_ops.precompile`` builds it, like the kernels (``--no-native`` skips it).
 - Otherwise the first CUDA call that prepares a kernel call starts the build in a detached
   process and runs the Python path until the library exists; calls prepared after that use
   it. Its results are the Python path's bit for bit (the same kernels, arguments and
