@@ -119,7 +119,9 @@ def per_call_costs(calls: int, rounds: int = 3) -> dict:
     """Per-call costs of the op's launch paths: the native one (csa_ops.native, where its
     library is built) and the Python one, interleaved in rounds with torch.add (this host's
     per-call times drift between and within processes); each ratio is the median over
-    rounds of the ratio within a round."""
+    rounds of the ratio within a round. Once the native library has registered its C++
+    Autograd kernels they stay registered, so the Python rounds include their hand-off to
+    the Python kernels (a process with CSA_OPS_NATIVE=0 has none)."""
     import csa_ops
     from csa_ops import host, native
 

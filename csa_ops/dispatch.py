@@ -15,6 +15,8 @@ its C++ kernels at the AutogradCUDA key run a repeated plain call before any of 
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -72,6 +74,7 @@ class PreparedCalls(dict):
         self.registered = False  # with the launch path, which clears it (see launch_path)
         self.table = None
         self._on_table = on_table  # on_table(native module, table) once the table exists
+        self._lock = threading.Lock()
 
     def remember(self, signature: tuple | None, call, args: tuple = (), tensors: int = 0):
         """Enter `call` for `signature`; `args` (the call's arguments, `tensors` of them
@@ -81,13 +84,24 @@ class PreparedCalls(dict):
                 self.clear()
             self[signature] = call
             if args and type(call).__name__ == "PreparedCall":
-                if self.table is None:
-                    module = _native_module()
-                    self.table = module.CallTable()
-                    if self._on_table is not None:
-                        self._on_table(module, self.table)
-                self.table.insert(call, tensors, *args)
+                self._table().insert(call, tensors, *args)
         return call
+
+    def _table(self):
+        """The C++ table, created (and handed to on_table) once, under a lock: a second
+        table would leave the C++ kernels reading one that clear() no longer reaches."""
+        with self._lock:
+            if self.table is None:
+                module = _native_module()
+                table = module.CallTable()
+                if self._on_table is not None:
+                    try:
+                        self._on_table(module, table)
+                    except RuntimeError as error:  # the table still serves the Python route
+                        warnings.warn(f"csa_ops: the native Autograd kernels were not "
+                                      f"registered ({error})", RuntimeWarning, stacklevel=4)
+                self.table = table
+            return self.table
 
     def clear(self) -> None:
         super().clear()

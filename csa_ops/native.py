@@ -53,17 +53,37 @@ def enabled() -> bool:
             and kernel_cache.enabled())
 
 
+# The build's flags, beyond torch's own: part of the tag, so a change rebuilds.
+_CFLAGS = ("-O2",)
+
+
+def _tvm_ffi_build_paths() -> tuple[list[str], list[str]]:
+    """(include directories, linker flags) of the installed tvm_ffi."""
+    import tvm_ffi.libinfo
+
+    libdir = str(pathlib.Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
+    includes = [tvm_ffi.libinfo.find_include_path(), tvm_ffi.libinfo.find_dlpack_include_path()]
+    return includes, [f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"]
+
+
+_TAG: list[str] = []
+
+
 def tag() -> str:
-    """Digest of everything the library depends on: its source, torch (version and build),
-    tvm_ffi, the Python ABI and the machine."""
+    """Digest of everything the library depends on: its source, the build flags, torch
+    (version and build), tvm_ffi, the Python ABI and the machine. Computed once per process
+    (tests that change the source reset ``_TAG``)."""
+    if _TAG:
+        return _TAG[0]
     import torch
 
     digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, str(torch.version.git_version),
+    for part in (*_CFLAGS, torch.__version__, str(torch.version.git_version),
                  str(torch.compiled_with_cxx11_abi()), kernel_cache._version("apache-tvm-ffi"),
                  sys.implementation.cache_tag, platform.machine()):
         digest.update(b"\0" + part.encode())
-    return digest.hexdigest()[:16]
+    _TAG.append(digest.hexdigest()[:16])
+    return _TAG[0]
 
 
 def library_path(root: pathlib.Path | None = None) -> pathlib.Path:
@@ -103,31 +123,38 @@ def module():
     try:
         loaded = _import(path)
     except (ImportError, OSError) as error:
-        warnings.warn(f"csa_ops: discarding the native launch library {path} ({error}); "
+        # Set aside, not deleted (it may be a deployment's): no process tries it again.
+        warnings.warn(f"csa_ops: setting aside the native launch library {path} ({error}); "
                       f"calls run the Python path", RuntimeWarning, stacklevel=2)
         with contextlib.suppress(OSError):
-            path.unlink()
+            os.replace(path, path.with_suffix(".rejected"))
         loaded = None
     _LOADED.append(loaded)
     return loaded
 
 
 def _start_background_build(path: pathlib.Path) -> None:
+    """One detached build per library at a time, across processes: the build marker is
+    created exclusively; one older than _BUILD_PATIENCE_S is a dead build's. A build that
+    failed leaves ``.failed`` (with its log), and no process starts another: an explicit
+    ``build()`` (precompile, ``python -m csa_ops.native build``) tries again."""
     if _BUILD_STARTED:
         return
     _BUILD_STARTED.append(True)
     marker = path.with_suffix(".building")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if marker.exists() and time.time() - marker.stat().st_mtime < _BUILD_PATIENCE_S:
-            return  # another process is building it
-        marker.touch()
-        log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 (the child owns it)
-    except OSError:
+        if path.with_suffix(".failed").exists():
+            return
+        if marker.exists() and time.time() - marker.stat().st_mtime >= _BUILD_PATIENCE_S:
+            marker.unlink()
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:  # another process holds the marker, or the cache is not writable
         return
-    with log:
+    with open(path.with_suffix(".log"), "w") as log:
         subprocess.Popen(_build_command(path), stdin=subprocess.DEVNULL, stdout=log,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+                         stderr=subprocess.STDOUT, start_new_session=True,
+                         **_child_environment())
 
 
 def _build_command(path: pathlib.Path) -> list[str]:
@@ -137,39 +164,69 @@ def _build_command(path: pathlib.Path) -> list[str]:
     return [sys.executable, "-c", code, "build", "--cache-dir", str(path.parent.parent)]
 
 
+def _child_environment() -> dict:
+    """The builder imports this very package (its directory first on the path: ``-c`` would
+    put the working directory there) and finds the ninja that torch's extension builder
+    runs, also from a virtual environment that is not activated."""
+    package_root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        env["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, env.get("PATH")]))
+    return {"env": env, "cwd": package_root}
+
+
 def build(root: pathlib.Path | None = None) -> pathlib.Path:
     """Build the library into the cache under ``root`` now (in a child process, which also
     checks that it loads) and return its path; a valid existing library is kept."""
     path = library_path(root)
     if path.exists():
         return path
-    subprocess.run(_build_command(path), check=True, capture_output=True, text=True)
+    subprocess.run(_build_command(path), check=True, capture_output=True, text=True,
+                   **_child_environment())
     return path
 
 
 def _build_here(root: pathlib.Path) -> pathlib.Path:
-    """The build itself (run as ``python -m csa_ops.native build``): compile in a private
-    directory, import the result, then publish it by atomic rename."""
-    import tvm_ffi.libinfo
+    """The build itself (``python -m csa_ops.native build``): compile in a private
+    directory, import the result, then publish it by atomic rename. A failure leaves
+    ``.failed`` beside the library's path, which stops background builds (see
+    _start_background_build); a success removes it."""
     from torch.utils import cpp_extension
 
     path = library_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    libdir = str(pathlib.Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        cpp_extension.load(
-            name=MODULE, sources=[str(SOURCE)], build_directory=tmp,
-            extra_cflags=["-O2"], extra_include_paths=[tvm_ffi.libinfo.find_include_path(),
-                                                       tvm_ffi.libinfo.find_dlpack_include_path()],
-            extra_ldflags=[f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"],
-            is_python_module=True, verbose=False)
-        staged = pathlib.Path(tmp) / f"{MODULE}.publish"
-        shutil.copyfile(pathlib.Path(tmp) / f"{MODULE}.so", staged)
-        os.chmod(staged, 0o755)
-        os.replace(staged, path)
+    _remove_dead_builds(path.parent)
+    includes, ldflags = _tvm_ffi_build_paths()
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+            cpp_extension.load(name=MODULE, sources=[str(SOURCE)], build_directory=tmp,
+                               extra_cflags=list(_CFLAGS), extra_include_paths=includes,
+                               extra_ldflags=ldflags, is_python_module=True, verbose=False)
+            staged = pathlib.Path(tmp) / f"{MODULE}.publish"
+            shutil.copyfile(pathlib.Path(tmp) / f"{MODULE}.so", staged)
+            os.chmod(staged, 0o755)
+            os.replace(staged, path)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            path.with_suffix(".failed").write_text(f"{type(error).__name__}: {error}\n")
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            path.with_suffix(".building").unlink()
     with contextlib.suppress(OSError):
-        path.with_suffix(".building").unlink()
+        path.with_suffix(".failed").unlink()
     return path
+
+
+def _remove_dead_builds(directory: pathlib.Path) -> None:
+    """Private build directories a killed build left behind."""
+    for stale in directory.glob(".build-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - stale.stat().st_mtime >= _BUILD_PATIENCE_S:
+                shutil.rmtree(stale)
 
 
 def prepared_call(function: Any, arguments, signature, inputs, outputs, constants,

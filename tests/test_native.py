@@ -183,27 +183,34 @@ def test_only_tvm_ffi_functions_take_the_native_path(built_root, monkeypatch,
     assert native.prepared_call(tvm_ffi.convert(lambda *values: None), *args) is None
     monkeypatch.delenv("CSA_OPS_NATIVE")
     monkeypatch.setenv("CSA_OPS_CACHE", "0")  # no cache, no native library
+    monkeypatch.setattr(native, "_LOADED", [])
     assert not native.enabled()
+    assert native.prepared_call(tvm_ffi.convert(lambda *values: None), *args) is None
 
 
-def test_the_tag_follows_the_source(monkeypatch, tmp_path):
+def test_the_tag_follows_the_source_and_the_flags(monkeypatch, tmp_path):
     tag = native.tag()
     changed = tmp_path / "prepared_call.cpp"
     changed.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
     monkeypatch.setattr(native, "SOURCE", changed)
+    monkeypatch.setattr(native, "_TAG", [])
     assert native.tag() != tag
+    source_tag = native.tag()
+    monkeypatch.setattr(native, "_CFLAGS", ("-O3",))
+    monkeypatch.setattr(native, "_TAG", [])
+    assert native.tag() not in (tag, source_tag)
     assert native.library_path(tmp_path).name == f"{native.MODULE}.{native.tag()}.so"
 
 
-def test_a_corrupt_library_is_discarded_with_a_warning(tmp_path, monkeypatch,
+def test_a_corrupt_library_is_set_aside_with_a_warning(tmp_path, monkeypatch,
                                                        fresh_module_state):
     monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))
     path = native.library_path(tmp_path)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"\x7fELF truncated")
-    with pytest.warns(RuntimeWarning, match="discarding the native launch library"):
+    with pytest.warns(RuntimeWarning, match="setting aside the native launch library"):
         assert native.module() is None
-    assert not path.exists()
+    assert not path.exists() and path.with_suffix(".rejected").exists()
     assert native.module() is None  # decided once per process: no second attempt
 
 
@@ -306,8 +313,9 @@ def test_autograd_kernels_run_table_hits_and_defer_everything_else(loaded):
     table = loaded.CallTable()
     loaded.register_autograd_kernels(table, "CPU", [("compressor_backward", python_kernel)])
     try:
-        with pytest.raises(RuntimeError, match="the Autograd kernels are registered"):
-            loaded.register_autograd_kernels(table, "CPU", [])
+        loaded.register_autograd_kernels(table, "CPU", [])  # the same table: nothing to do
+        with pytest.raises(RuntimeError, match="registered with another table"):
+            loaded.register_autograd_kernels(loaded.CallTable(), "CPU", [])
         for a, b in zip(op(*tensors, 4, 2), expected):  # a miss: deferred to Python
             assert torch.equal(a, b)
         assert len(deferred) == 1 and not launched
@@ -327,3 +335,92 @@ def test_autograd_kernels_run_table_hits_and_defer_everything_else(loaded):
         loaded.unregister_autograd_kernels()
     op(*tensors, 4, 2)
     assert len(deferred) == 3 and len(launched) == 2
+
+
+def test_a_failed_build_is_recorded_and_not_retried_in_the_background(tmp_path, monkeypatch,
+                                                                      fresh_module_state):
+    from torch.utils import cpp_extension
+
+    def failing_load(**kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    path = native.library_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.with_suffix(".building").touch()
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        native._build_here(tmp_path)
+    assert "no compiler here" in path.with_suffix(".failed").read_text()
+    assert not path.with_suffix(".building").exists()
+    assert not any(p.name.startswith(".build-") for p in path.parent.iterdir())
+    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
+    assert native.module() is None
+    assert started == []
+
+
+_EXIT_WHILE_REGISTERED = """
+import sys, torch, tvm_ffi
+sys.path.insert(0, sys.argv[1])
+import test_native as t
+from csa_ops import native, ops
+module = native.module()
+call, _ = t._bwd_call(lambda *values: None)
+tensors = t._tensors()
+table = module.CallTable()
+table.insert(call, 6, *tensors, 4, 2)
+module.register_autograd_kernels(table, "CPU", [
+    ("compressor_backward", ops._compressor_backward_autograd)])
+assert len(torch.ops.csa.compressor_backward.default(*tensors, 4, 2)) == 3  # a hit
+del call, table  # the kernels hold the last references
+print("exiting")
+"""
+
+
+def test_a_process_exits_cleanly_with_the_kernels_registered(built_root):
+    """torch's dispatcher frees registered kernels when the process ends, after Python: the
+    kernels must not release Python or TVM-FFI objects then."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_REGISTERED,
+                           os.path.dirname(__file__)],
+                          env={**os.environ, "CSA_OPS_CACHE_DIR": str(built_root)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("exiting")
+
+
+def test_threads_call_while_the_table_changes(loaded):
+    """The C++ kernels read the table without the GIL while Python inserts and clears."""
+    import threading
+
+    from csa_ops import ops
+
+    call, _ = _bwd_call(lambda *values: None, upcast=False)
+    tensors = _tensors(ape_dtype=torch.float32)
+    table = loaded.CallTable()
+    table.insert(call, 6, *tensors, 4, 2)
+    loaded.register_autograd_kernels(table, "CPU", [
+        ("compressor_backward", ops._compressor_backward_autograd)])
+    op = torch.ops.csa.compressor_backward.default
+    errors = []
+
+    def caller():
+        try:
+            for _ in range(200):
+                grads = op(*tensors, 4, 2)
+                assert len(grads) == 3 and grads[0].shape == tensors[1].shape
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    try:
+        threads = [threading.Thread(target=caller) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for _ in range(200):
+            table.clear()
+            table.insert(call, 6, *tensors, 4, 2)
+        for thread in threads:
+            thread.join()
+    finally:
+        loaded.unregister_autograd_kernels()
+    assert errors == []

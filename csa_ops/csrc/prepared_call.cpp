@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/native/TensorFactories.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -73,12 +74,20 @@ int64_t current_stream(const c10::Device& device) {
 
 // A contiguous tensor from the device's allocator (torch's caching allocator on CUDA), as
 // at::empty makes it but without its trip through the dispatcher: a quarter of a call's
-// host time goes to four allocations. The caller holds a guard of `device`.
+// host time goes to four allocations. Under torch.use_deterministic_algorithms it is filled
+// as at::empty fills it (the kernels overwrite every element anyway). The caller holds a
+// guard of `device`.
 at::Tensor allocate(c10::IntArrayRef shape, at::ScalarType dtype, const c10::Device& device) {
-  return at::detail::empty_generic(shape, c10::GetAllocator(device.type()),
-                                   c10::DispatchKeySet(c10::computeDispatchKey(
-                                       dtype, c10::kStrided, device)),
-                                   dtype, c10::MemoryFormat::Contiguous);
+  at::Tensor tensor = at::detail::empty_generic(
+      shape, c10::GetAllocator(device.type()),
+      c10::DispatchKeySet(c10::computeDispatchKey(dtype, c10::kStrided, device)), dtype,
+      c10::MemoryFormat::Contiguous);
+  const auto& context = at::globalContext();
+  if (C10_UNLIKELY(context.deterministicAlgorithms() &&
+                   context.deterministicFillUninitializedMemory())) {
+    at::native::fill_empty_deterministic_(tensor);
+  }
+  return tensor;
 }
 
 class PreparedCall {
@@ -353,11 +362,15 @@ class CallTable {
 // (csa_ops.ops), which records autograd, validates, prepares and enters new signatures in
 // the table. Registered at the backend's own Autograd key, it takes precedence over the
 // Python kernel at the Autograd alias key, which stays registered for every other backend.
+//
+// Nothing it holds is released with it: torch's dispatcher is a static object whose
+// destruction at exit frees registered kernels, after Python and the TVM-FFI runtime are
+// gone, so the table (and the prepared calls and kernel handles in it) and the Python
+// kernel are references held for the process's life.
 class AutogradKernel final : public c10::OperatorKernel {
  public:
-  AutogradKernel(std::shared_ptr<const CallTable> table, PyObject* python_kernel,
-                 c10::DispatchKeySet backend)
-      : table_(std::move(table)), python_kernel_(python_kernel), backend_(backend) {}
+  AutogradKernel(const CallTable* table, PyObject* python_kernel, c10::DispatchKeySet backend)
+      : table_(table), python_kernel_(python_kernel), backend_(backend) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                   torch::jit::Stack* stack) {
@@ -411,47 +424,62 @@ class AutogradKernel final : public c10::OperatorKernel {
       args[i + 1] = torch::jit::toPyObject(values[i]);
     }
     py::object result = py::reinterpret_borrow<py::object>(python_kernel_)(*args);
-    torch::jit::drop(*stack, n);
+    c10::SmallVector<at::Tensor, 4> out;
     if (THPVariable_Check(result.ptr())) {
-      torch::jit::push(*stack, THPVariable_Unpack(result.ptr()));
-      return;
+      out.push_back(THPVariable_Unpack(result.ptr()));
+    } else {
+      for (const py::handle& item : result) {
+        TORCH_CHECK(THPVariable_Check(item.ptr()),
+                    "csa_ops native: the Python Autograd kernel returned a non-tensor");
+        out.push_back(THPVariable_Unpack(item.ptr()));
+      }
     }
-    for (const py::handle& item : result) {
-      torch::jit::push(*stack, THPVariable_Unpack(item.ptr()));
+    torch::jit::drop(*stack, n);
+    for (at::Tensor& tensor : out) {
+      torch::jit::push(*stack, std::move(tensor));
     }
   }
 
-  std::shared_ptr<const CallTable> table_;
-  PyObject* python_kernel_;  // a reference held for the process's life (see register)
+  const CallTable* table_;   // held for the process's life (see the class comment)
+  PyObject* python_kernel_;  // likewise
   c10::DispatchKeySet backend_;
 };
 
-// The registration of the ops' AutogradKernels; deleted only by unregister (at exit the
-// dispatcher may already be gone, so it is never destroyed then).
+// The registration of the ops' AutogradKernels and the table they read. Deleted only by
+// unregister; at exit the dispatcher's own destruction frees the kernels (see
+// AutogradKernel).
 torch::Library* g_registration = nullptr;
+const CallTable* g_registered_table = nullptr;
 
-void register_autograd_kernels(std::shared_ptr<CallTable> table, const std::string& backend,
+void register_autograd_kernels(const std::shared_ptr<CallTable>& table,
+                               const std::string& backend,
                                const std::vector<std::pair<std::string, py::object>>& kernels) {
-  TORCH_CHECK(g_registration == nullptr, "csa_ops native: the Autograd kernels are registered");
+  if (g_registration != nullptr) {
+    TORCH_CHECK(g_registered_table == table.get(),
+                "csa_ops native: the Autograd kernels are registered with another table");
+    return;  // the same table again: nothing to do
+  }
   const c10::DispatchKey backend_key = c10::parseDispatchKey(backend);
   const c10::DispatchKey autograd_key = c10::getAutogradKeyFromBackend(
       c10::toBackendComponent(backend_key));
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "csa", autograd_key,
                                                   __FILE__, __LINE__);
+  // One reference to the table for the process's life (never released: see AutogradKernel).
+  const CallTable* held = (new std::shared_ptr<CallTable>(table))->get();
   for (const auto& [name, kernel] : kernels) {
-    // The kernel's Python function lives as long as the process: its reference is never
-    // released (a registration outlives the interpreter's finalization).
-    PyObject* function = kernel.inc_ref().ptr();
+    PyObject* function = kernel.inc_ref().ptr();  // never released either
     library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
                                      std::make_unique<AutogradKernel>(
-                                         table, function, c10::DispatchKeySet(backend_key))));
+                                         held, function, c10::DispatchKeySet(backend_key))));
   }
   g_registration = library.release();
+  g_registered_table = held;
 }
 
 void unregister_autograd_kernels() {
   delete g_registration;
   g_registration = nullptr;
+  g_registered_table = nullptr;
 }
 
 }  // namespace

@@ -77,6 +77,7 @@ def test_native_calls_capture_in_a_cuda_graph():
     with torch.cuda.stream(stream):
         _op_calls(pack, grad_out)  # prepares the calls outside the capture
     torch.cuda.current_stream().wait_stream(stream)
+    assert len(ops._PREPARED.table) >= 2  # the captured calls are native ones
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = _op_calls(pack, grad_out)
