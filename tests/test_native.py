@@ -384,7 +384,7 @@ def test_a_process_exits_cleanly_with_the_kernels_registered(built_root):
     done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_REGISTERED,
                            os.path.dirname(__file__)],
                           env={**os.environ, "CSA_OPS_CACHE_DIR": str(built_root)},
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("exiting")
 
