@@ -424,3 +424,18 @@ def test_threads_call_while_the_table_changes(loaded):
     finally:
         loaded.unregister_autograd_kernels()
     assert errors == []
+
+
+def test_outputs_are_filled_as_torch_empty_fills_them_under_deterministic_algorithms(loaded):
+    """torch.use_deterministic_algorithms fills fresh tensors (NaN for floats), as the
+    Python launch path's torch.empty_like does; the kernels overwrite every element."""
+    call, _ = _bwd_call(lambda *values: None, upcast=False)  # writes nothing
+    tensors = _tensors(ape_dtype=torch.float32)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        filled = call(*tensors)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for tensor in filled:
+        assert bool(torch.isnan(tensor).all())
