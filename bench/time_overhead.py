@@ -1,5 +1,8 @@
 """Host overhead of one eager call (Python + dispatcher + launch), forward and backward.
 
+Where the native launch path is built (csa_ops.native), the breakdown also times the op's
+overload through the dispatcher to its C++ Autograd kernel, and the C++ call table alone.
+
 ``python bench/time_overhead.py [out.json]``. Two views: CUDA events around many
 back-to-back calls at a tiny shape (the host is the bottleneck there, so the per-call time is
 the host cost) and the profiler's CPU time per op call.
@@ -65,7 +68,17 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
     stream = torch.cuda.current_stream().cuda_stream
     args = (kv, score, ape, cu, cuc)
     library = _noop_ops()  # noqa: F841  (keeps the no-op ops registered)
+    overload = torch.ops.csa.compressor.default
+    table = ops._PREPARED.table  # the native launch path's call table, where it is built
+    native_rows = {} if table is None else {
+        # Through the dispatcher to the C++ Autograd kernel, and the table alone.
+        "overload_call_us": _per_call_us(lambda: overload(kv, score, ape, cu, cuc, ratio,
+                                                          coff, rows)),
+        "call_table_us": _per_call_us(lambda: table(kv, score, ape, cu, cuc, ratio, coff,
+                                                    rows)),
+    }
     return {
+        **native_rows,
         "custom_op_noop_us": _per_call_us(lambda: torch.ops.csa_overhead.custom_noop(kv)),
         "library_noop_us": _per_call_us(lambda: torch.ops.csa_overhead.library_noop(kv)),
         "library_autograd_noop_us": _per_call_us(
@@ -101,7 +114,14 @@ def _backward_breakdown(kv, score, ape, cu, cuc, ratio, coff, grad_out):
     values = [t.data_ptr() for t in (*tensors, *grads, work)]
     values += [kv.shape[0], grad_out.shape[0], cu.numel() - 1, plan.grid]
     stream = torch.cuda.current_stream().cuda_stream
+    overload = torch.ops.csa.compressor_backward.default
+    table = ops._PREPARED.table
+    native_rows = {} if table is None else {
+        "backward_overload_call_us": _per_call_us(lambda: overload(*tensors, ratio, coff)),
+        "backward_call_table_us": _per_call_us(lambda: table(*tensors, ratio, coff)),
+    }
     return {
+        **native_rows,
         "backward_cuda_impl_direct_us": _per_call_us(
             lambda: ops._compressor_backward_cuda(*tensors, ratio, coff)),
         "backward_prepared_call_us": _per_call_us(lambda: call(*tensors)),
