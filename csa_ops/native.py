@@ -121,16 +121,16 @@ def module():
         _start_background_build(path)
         return None
     try:
-        loaded = _import(path)
+        library = _import(path)
     except (ImportError, OSError) as error:
         # Set aside, not deleted (it may be a deployment's): no process tries it again.
         warnings.warn(f"csa_ops: setting aside the native launch library {path} ({error}); "
                       f"calls run the Python path", RuntimeWarning, stacklevel=2)
         with contextlib.suppress(OSError):
             os.replace(path, path.with_suffix(".rejected"))
-        loaded = None
-    _LOADED.append(loaded)
-    return loaded
+        library = None
+    _LOADED.append(library)
+    return library
 
 
 def _start_background_build(path: pathlib.Path) -> None:
@@ -158,8 +158,8 @@ def _start_background_build(path: pathlib.Path) -> None:
 
 
 def _build_command(path: pathlib.Path) -> list[str]:
-    # Not ``-m csa_ops.native``: importing the package on a CUDA machine imports this
-    # module first, and runpy warns about running a module already imported.
+    # main() of this module as imported, not run as __main__ (runpy warns when the package
+    # has already imported the module it runs).
     code = "import sys; from csa_ops.native import main; sys.exit(main(sys.argv[1:]))"
     return [sys.executable, "-c", code, "build", "--cache-dir", str(path.parent.parent)]
 

@@ -69,15 +69,14 @@ _PREPARED = dispatch.PreparedCalls(on_table=_register_native_kernels)
 def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check):
     check()
     call = dispatch.launch_path(_PREPARED).prepare(direction, tensors, ratio, coff, total_comp)
+    scalars = (ratio, coff) if direction == "bwd" else (ratio, coff, total_comp)
     if call is None:
         run = (reference.compressor_backward_reference if direction == "bwd"
                else reference.compressor_reference)
-        scalars = (ratio, coff) if direction == "bwd" else (ratio, coff, total_comp)
 
         def call(*args):
             return run(*_contiguous(*args), *scalars)
 
-    scalars = (ratio, coff) if direction == "bwd" else (ratio, coff, total_comp)
     return _PREPARED.remember(signature, call, (*tensors, *scalars), len(tensors))
 
 

@@ -392,10 +392,7 @@ class AutogradKernel final : public c10::OperatorKernel {
       at::AutoDispatchBelowADInplaceOrView below;  // its own ops record no autograd either
       out = entry.call->run(tensors);
     }
-    torch::jit::drop(*stack, n);
-    for (at::Tensor& tensor : out) {
-      torch::jit::push(*stack, std::move(tensor));
-    }
+    return_outputs(stack, n, out);
   }
 
  private:
@@ -434,6 +431,12 @@ class AutogradKernel final : public c10::OperatorKernel {
         out.push_back(THPVariable_Unpack(item.ptr()));
       }
     }
+    return_outputs(stack, n, out);
+  }
+
+  // The boxed convention: the n arguments leave the stack, the outputs take their place.
+  static void return_outputs(torch::jit::Stack* stack, size_t n,
+                             c10::SmallVector<at::Tensor, 4>& out) {
     torch::jit::drop(*stack, n);
     for (at::Tensor& tensor : out) {
       torch::jit::push(*stack, std::move(tensor));
