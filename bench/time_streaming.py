@@ -9,13 +9,14 @@ timed beside the default key. Prints a table; --json writes it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import timing  # bench/ is the script's folder, so on sys.path
 import torch
 
 from csa_ops import host
-from csa_ops.kernels import streaming
+from csa_ops.kernels import streaming_plan
 
 SHAPES = (  # (tokens, head_dim, ratio, coff)
     (65536, 128, 128, 1),
@@ -57,13 +58,13 @@ def _launches(key, backward, sets, sms):
         tokens, width = kv.shape
         rows, d = grad_out.shape
         if backward:
-            plan = streaming.plan_backward(key, tokens, rows, sms)
+            plan = streaming_plan.plan_backward(key, tokens, rows, sms)
             work = torch.empty(max(plan.workspace, 4), device="cuda")
             outs = (torch.empty_like(kv), torch.empty_like(kv),
                     torch.empty(key.ratio, width, device="cuda"), work)
             tensors = (grad_out, kv, score, ape, cu, cuc, *outs)
         else:
-            plan = streaming.plan_forward(key, tokens, rows, sms)
+            plan = streaming_plan.plan_forward(key, tokens, rows, sms)
             outs = (torch.empty(rows, d, dtype=kv.dtype, device="cuda"),
                     torch.empty(4, device="cuda"))
             tensors = (kv, score, ape, cu, cuc, *outs)
@@ -105,18 +106,18 @@ def main() -> None:
         rec = {"shape": f"1x{tokens} d{d} r{ratio} c{coff}",
                "floor_fwd_us": fwd_bytes / bw * 1e6, "floor_bwd_us": bwd_bytes / bw * 1e6}
         for backward in (False, True):
-            base = streaming.configure(ratio, coff, d, args.dtype, arch, backward)
+            base = streaming_plan.configure(ratio, coff, d, args.dtype, arch, backward)
             tag = "bwd" if backward else "fwd"
             rec[f"{tag}_us"] = launches_time(_launches(base, backward, sets, sms))
-            rec[f"{tag}_key"] = str(dict(base.knobs))
+            rec[f"{tag}_key"] = str(dataclasses.asdict(base.knobs))
             for var in variants:
-                key = streaming.configure(ratio, coff, d, args.dtype, arch, backward, **var)
-                if key == base or not streaming.supports(key):
+                key = streaming_plan.configure(ratio, coff, d, args.dtype, arch, backward, **var)
+                if key == base or not streaming_plan.supports(key):
                     continue
                 t = launches_time(_launches(key, backward, sets, sms))
-                rec.setdefault("variants", []).append({"dir": tag, "knobs": dict(key.knobs),
-                                                       "us": t})
-                print(f"  {rec['shape']} {tag} {dict(key.knobs)}: {t:.2f} us "
+                knobs = dataclasses.asdict(key.knobs)
+                rec.setdefault("variants", []).append({"dir": tag, "knobs": knobs, "us": t})
+                print(f"  {rec['shape']} {tag} {knobs}: {t:.2f} us "
                       f"(default {rec[tag + '_us']:.2f})")
         rows_out.append(rec)
         del sets

@@ -86,6 +86,9 @@ class StreamingKnobs(_Knobs):
     fast_exp: bool = False  # exp through ex2.approx (within one output rounding step)
     lean: bool = False  # rows whose whole window exists skip the per-entry masks
     pdl: bool = True  # programmatic dependent launch (common.await_upstream)
+    # Forward columns in torch's CUDA order (kernels/torch_order.py): 0 never, 1 where the
+    # fast softmax cannot certify one rounding step of it (SPEC 3), 2 always (tests).
+    parity: int = 0
 
     @property
     def threads(self) -> int:

@@ -165,12 +165,10 @@ def _window_tokens(cu_seqlens, ratio: int, coff: int):
     return t0[:, None] - ratio + k, ~(first[:, None] & (k < ratio))
 
 
-def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
-                 total_comp=None):
-    """SPEC 3: kvg, sg = the gathered (rows, W, d) windows in fp32 (fp64 for fp64 kv), sg =
-    score upcast + ape upcast, -inf/0 where a segment's first block has no previous block;
-    w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1), padding rows zero, rounded once to
-    kv's dtype. Differentiable: the backward is torch autograd of this expression."""
+def region_windows(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int):
+    """(sg, kvg) of SPEC 3's eager region: the gathered (rows, W, d) windows in fp32 (fp64
+    for fp64 kv), sg = score upcast + ape upcast, -inf/0 where a segment's first block has
+    no previous block."""
     acc = torch.float64 if kv.dtype == torch.float64 else torch.float32
     head_dim = kv.shape[1] // coff
     token, valid = (t.to(kv.device) for t in _window_tokens(cu_seqlens, ratio, coff))
@@ -188,8 +186,18 @@ def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: 
     real = valid[:, :, None]
     sg = torch.where(real, gather(score) + ape_w, float("-inf"))
     kvg = torch.where(real, gather(kv), 0.0)
+    return sg, kvg
+
+
+def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
+                 total_comp=None):
+    """SPEC 3: w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1) over region_windows,
+    padding rows zero, rounded once to kv's dtype. Differentiable: the backward is torch
+    autograd of this expression."""
+    sg, kvg = region_windows(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
     w = torch.softmax(sg, dim=1)
     out = (kvg * w).sum(dim=1)
+    true_rows, head_dim = out.shape
     if total_comp is not None:
         out = torch.cat([out, out.new_zeros(total_comp - true_rows, head_dim)])
     return out.to(kv.dtype)

@@ -23,10 +23,11 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
 def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
     """The extend key of a forward key: the forward's own, `overrides` set launch knobs by
     name (vec, threads, min_ctas: CTAs per SM the registers must allow; none changes a
-    row's bits). fast_exp is the forward's: it does change them."""
-    if "fast_exp" in overrides and bool(overrides["fast_exp"]) != key.knobs.fast_exp:
-        raise ValueError("extend keys take the forward key's fast_exp: rows must equal the "
-                         "forward's bit for bit")
+    row's bits). fast_exp and parity are the forward's: they do change them."""
+    for knob in ("fast_exp", "parity"):
+        if knob in overrides and overrides[knob] != getattr(key.knobs, knob, overrides[knob]):
+            raise ValueError(f"extend keys take the forward key's {knob}: rows must equal "
+                             "the forward's bit for bit")
     return with_knobs(key, **overrides) if overrides else key
 
 

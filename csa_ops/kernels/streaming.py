@@ -19,10 +19,11 @@ from cutlass import Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..config import KernelKey
+from ..config import TYPES
 from . import common as cm
-from . import requests
+from . import requests, torch_order
 from .reduce import launch_sum_parts
-from .streaming_plan import MAX_ROWS
+from .streaming_plan import MAX_ROWS, RED_KINDS
 
 _SUM_SPLIT = 16  # grad_ape sum: warps per CTA, each summing every 16th CTA partial
 
@@ -61,6 +62,38 @@ class _Streaming:
         # e is kept as exp(l - m) * 2**-shift: sum(e * v) then cannot overflow before max|v|.
         self.shift = max(0, math.ceil(math.log2(self.w)))
         self.async_copy = self.vec * 2 >= 4  # cp.async moves 4, 8 or 16 bytes
+        self.parity = 0 if backward else k.parity
+        if self.parity:
+            self._certificate(key)
+
+    def _certificate(self, key: KernelKey) -> None:
+        """Constants of _row's certificate: a column is certified when
+            cert_m * sum(e|v|) + cert_v * sum(|v|) < cert_keep * |sum(e v)|.
+        Both the fast column and torch's (u = 2**-24 each, first order) lie within
+            u (3 sum(p|v||l - m|) + c_S sum(p|v|) + c_O |out|)
+        of the exact value: per entry, ex2.approx (2**-21) and the rounding of its argument
+        (|x| u, x = (l - m) log2(e) - shift) against expf (2 ulp), its argument's rounding,
+        the division and the product; both sums' trees (depths kt + 4 + wpc and
+        torch_order.sum_depth); on |out|, the denominators' sums (torch's: up to W - 1
+        roundings) and the per-entry errors' weighted mean (sum p|l - m| <= ln W). The
+        |l - m| term costs no sum of its own: entries with |l - m| <= D0 add at most
+        3 D0 sum(p|v|), the others at most 3 D0 e**-D0 sum|v| / s (p|l - m| <= e**(l - m)
+        |l - m| / s). ex2.approx.ftz flushes e below 2**-126: at most 2**-126 sum|v| on
+        sum(e v). Under one output step, at least 2**-p |out| for p significand bits, with a
+        factor 2 margin (2**(p+1)) and 1.25 for the second order, the two cannot round more
+        than one step apart. NaN and infinities fail the test."""
+        w, u, d0 = self.w, 2.0**-24, 4.0
+        self.soft_chains = torch_order.softmax_chains(w, self.d)
+        self.sum_split = torch_order.sum_split(w, self.d)
+        depth_fast = self.kt + 4 + self.wpc
+        c_s = (14 + math.log(2) * self.shift + depth_fast + torch_order.sum_depth(w, self.d)
+               + 3 * d0)
+        c_o = w + depth_fast + 16 + 3 * math.log(w) + 0.7 * self.shift
+        scale = 1.25 * 2.0 ** (TYPES[key.dtype].precision + 1)
+        # e is scaled by 2**-shift: the tail's e**(l - m) is 2**shift e.
+        self.cert_m = scale * u * c_s
+        self.cert_v = scale * (2.0**-126 + 3 * u * 2.0**-self.shift * d0 * math.exp(-d0))
+        self.cert_keep = 1 - scale * u * c_o
 
     # ---------------------------------------------------------------- small helpers
     def _phys(self, cv, k):
@@ -120,18 +153,33 @@ class _Streaming:
     @cute.jit
     def _cross(self, x, sRed, kind, lane, cvw, wp, col, is_max):
         """Combine the per-warp results of warps sharing a column vector, in warp order."""
-        res = x
+        return self._cross_all([x], sRed, kind, lane, cvw, wp, col, is_max)[0]
+
+    @cute.jit
+    def _cross_all(self, xs, sRed, kind, lane, cvw, wp, col, is_max):
+        """_cross of several values (kinds kind, kind + 1, ...) behind one barrier."""
+        res = list(xs)
         if const_expr(self.wpc > 1):
             if lane % self.lpc == 0:
-                sRed[col, wp, cvw, kind] = x
+                for i in cutlass.range_constexpr(len(xs)):
+                    sRed[col, wp, cvw, kind + i] = xs[i]
             cute.arch.barrier()
-            res = sRed[col, 0, cvw, kind]
-            for w in cutlass.range_constexpr(1, self.wpc):
-                res = self._op(res, sRed[col, w, cvw, kind], is_max)
+            for i in cutlass.range_constexpr(len(xs)):
+                r = sRed[col, 0, cvw, kind + i]
+                for w in cutlass.range_constexpr(1, self.wpc):
+                    r = self._op(r, sRed[col, w, cvw, kind + i], is_max)
+                res[i] = r
         return res
 
     def _pick(self, ok, a, b):
         return a if ok is True else cutlass.select_(ok, a, b)
+
+    def _scratch(self, smem, placeholder):
+        """The exact columns' scratch (forward with parity): one window of fp32 per column
+        vector, where a warp lays out a column's terms for its chains' lanes."""
+        if not self.parity:
+            return placeholder
+        return smem.allocate_tensor(Float32, cute.make_layout((self.wpad, self.cv)), 16)
 
     @cute.jit
     def _row_info(self, n, mCu, mCuc, num_tokens, num_segs):
@@ -210,10 +258,12 @@ class _Streaming:
                                      128)
         sApe = smem.allocate_tensor(
             Float32, cute.make_layout((self.av, self.wpad, self.ah, CV)), 16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.wpc, CV, 3)), 16)
+        sRed = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.wpc, CV, RED_KINDS)),
+                                    16)
         sT0 = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sFl = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
-        sG = sRed
+        # sG: grad_out rows (backward) or the exact columns' scratch (forward).
+        sG = self._scratch(smem, sRed)
         if const_expr(self.bwd):
             sG = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, S)), 16)
 
@@ -367,6 +417,7 @@ class _Streaming:
                 lg[i * VEC + v] = x
                 mloc[v] = cute.arch.fmax(mloc[v], x, nan=True)
         m_c = self._cross(self._scatter(mloc, lane, True), sRed, 0, lane, cvw, wp, col, True)
+        m_max = m_c
         if const_expr(self.fast_exp):
             m_c = m_c * cm.LOG2E + self.shift
         m = self._gather(m_c)
@@ -374,6 +425,12 @@ class _Streaming:
         aloc = cute.make_rmem_tensor((VEC,), Float32)
         sloc.fill(0.0)
         aloc.fill(0.0)
+        cert = self.parity == 1
+        # The certificate's sums (see _certificate): e|v| and |v| per column.
+        mag = cute.make_rmem_tensor((VEC,), Float32)
+        vsum = cute.make_rmem_tensor((VEC,), Float32)
+        mag.fill(0.0)
+        vsum.fill(0.0)
         g = sloc
         if const_expr(self.bwd):
             g = self._load_f32(sG[(None, cvw, st)])
@@ -383,7 +440,10 @@ class _Streaming:
             for v in cutlass.range_constexpr(VEC):
                 e = zero
                 if const_expr(self.fast_exp):
-                    e = cute.math.exp2(lg[i * VEC + v] * cm.LOG2E - m[v], fastmath=True)
+                    # One pinned rounding, the certificate's (an unfused mul would round
+                    # l * log2(e), an error that grows with |l| rather than |l - m|).
+                    e = cute.math.exp2(cm.fma_rn(lg[i * VEC + v], Float32(cm.LOG2E), -m[v]),
+                                       fastmath=True)
                 else:
                     e = cute.math.exp(lg[i * VEC + v] - m[v]) * scale
                 lg[i * VEC + v] = e
@@ -394,11 +454,30 @@ class _Streaming:
                 if const_expr(self.wpad > self.w):
                     x = cutlass.select_(kk[i] < self.w, x, zero)
                 aloc[v] = aloc[v] + e * x
-        s_c = self._cross(self._scatter(sloc, lane, False), sRed, 1, lane, cvw, wp, col, False)
-        a_c = self._cross(self._scatter(aloc, lane, False), sRed, 2, lane, cvw, wp, col, False)
+                if const_expr(cert):
+                    mag[v] = mag[v] + e * cute.math.absf(x)
+                    vsum[v] = vsum[v] + cute.math.absf(x)
+        sums = [sloc, aloc]
+        if const_expr(cert):
+            sums = [sloc, aloc, mag, vsum]
+        sums = self._cross_all([self._scatter(t, lane, False) for t in sums], sRed, 1, lane,
+                               cvw, wp, col, False)
+        s_c, a_c = sums[0], sums[1]
         colw = cb * self.cv + cvw
         if const_expr(not self.bwd):
-            out = self._gather(a_c / s_c)
+            out = cute.make_rmem_tensor((VEC,), Float32)
+            quotient = self._gather(a_c / s_c)
+            for v in cutlass.range_constexpr(VEC):
+                out[v] = quotient[v]
+            if const_expr(self.parity > 0):  # noqa: SIM102 (compile-time, then run-time test)
+                if wp == 0 and colw < self.ncv:
+                    fails = Int32(1)
+                    if const_expr(cert):
+                        bound = self.cert_m * sums[2] + self.cert_v * sums[3]
+                        fails = cutlass.select_(
+                            bound < cute.math.absf(a_c) * self.cert_keep, Int32(0), Int32(1))
+                    self._parity_columns(out, fails, self._gather(m_max), sTile, sApe, sLg, sG,
+                                         st, t0, fl, num_tokens, lane, cvw, masked)
             if lane == 0 and wp == 0 and colw < self.ncv:
                 self._store(gOut[(None, (n, colw))], out)
         else:
@@ -428,6 +507,96 @@ class _Streaming:
                     pc = self._phys(c, k)
                     gGkv[(None, (tk, gc))].store(sTile[(None, pc, k, 1, st)].load())
                     gGsc[(None, (tk, gc))].store(sTile[(None, pc, k, 0, st)].load())
+
+    # ---------------------------------------------------------------- torch's order
+    @cute.jit
+    def _parity_columns(self, out, fails, m, sTile, sApe, sLg, sScr, st, t0, fl, num_tokens,
+                        lane, cvw, masked):
+        """Replace out[v] by torch's value where column v failed the certificate (fails: the
+        scattered per-column flag; every column at parity 2). One warp, all its lanes."""
+        if cute.arch.vote_any_sync(fails != 0):
+            flags = self._gather(fails)
+            for v in cutlass.range_constexpr(self.vec):
+                if flags[v] != 0:
+                    out[v] = self._exact_column(sTile, sApe, sLg, sScr, st, v, m[v], t0, fl,
+                                                num_tokens, lane, cvw, masked)
+
+    @cute.jit
+    def _exact_column(self, sTile, sApe, sLg, sScr, st, v, m, t0, fl, num_tokens, lane, cvw,
+                      masked):
+        """Column v of the warp's column vector as torch's eager region computes it on CUDA
+        (torch_order.py). Lane j computes the terms k = j + 32 i of the window; each chain
+        of torch's sums is then one lane's loop over the terms in the warp's scratch."""
+        sw = sScr[(None, cvw)]
+        e = []
+        kv = []
+        for i in cutlass.range_constexpr(self.wpad // 32):
+            k = i * 32 + lane
+            ok = k < self.w
+            if const_expr(masked):
+                ok = self._entry_ok(k, t0, fl, num_tokens)
+            ph = self._phys(cvw, k)
+            logit = self._logit_reader(sTile, sApe, sLg, st, ph, k, cvw)(v)
+            value = self._load_f32(sTile[(None, ph, k, 1, st)])[v]
+            # Missing entries hold -inf / 0 in torch's gathered tensors: e = 0, product +0.
+            e.append(cutlass.select_(ok, cm.exp_accurate(cm.sub_rn(logit, m)), Float32(0.0)))
+            kv.append(cutlass.select_(ok, value, Float32(0.0)))
+            sw[k] = e[i]
+        cute.arch.sync_warp()
+        s = self._tree(self._chains(sw, self.soft_chains, lane), self.soft_chains)
+        cute.arch.sync_warp()  # every chain has read e
+        for i in cutlass.range_constexpr(self.wpad // 32):
+            sw[i * 32 + lane] = cm.mul_rn(kv[i], cm.div_rn(e[i], s))
+        cute.arch.sync_warp()
+        split = self.sum_split
+        acc = self._chains(sw, 4 * split, lane)
+        cute.arch.sync_warp()  # the scratch is free for the next column
+        # Thread y's four accumulators (chains y + split * a) in order, then the threads' tree.
+        y = lane % split
+        total = Float32(0.0)
+        for a in cutlass.range_constexpr(4):
+            part = cute.arch.shuffle_sync(acc[(split * a) // 32], offset=(y + split * a) % 32)
+            if const_expr(a == 0):
+                total = part
+            else:
+                total = cm.add_rn(total, part)
+        return self._tree([total], split)
+
+    @cute.jit
+    def _chains(self, sw, stride, lane):
+        """Sums from +0 of the chains c < stride of the window's terms sw[k] (terms k = c +
+        stride i, i in order; k >= W adds +0, which leaves a sum of these terms unchanged).
+        stride >= 32: lane j returns chains j + 32 q, q < stride / 32; below 32, lane j
+        chain j % stride (every lane: the loads are broadcasts)."""
+        count = -(-self.w // stride)  # terms of chain 0, the longest
+        acc = []
+        for q in cutlass.range_constexpr(max(1, stride // 32)):
+            c = lane + 32 * q
+            if const_expr(stride < 32):
+                c = lane % stride
+            total = Float32(0.0)
+            for i in cutlass.range(count, unroll=8):
+                k = c + stride * i
+                term = sw[cutlass.min(k, self.wpad - 1)]
+                total = cm.add_rn(total, cutlass.select_(k < self.w, term, Float32(0.0)))
+            acc.append(total)
+        return acc
+
+    @cute.jit
+    def _tree(self, parts, count):
+        """Halving tree over `count` chains as _chains leaves them (chain c += chain c + h for
+        h = count / 2, ..., 1), broadcast to every lane."""
+        parts = list(parts)
+        levels = count.bit_length() - 1
+        for j in cutlass.range_constexpr(max(0, levels - 5)):  # h >= 32: within a lane
+            h = (count >> (j + 1)) // 32
+            for q in cutlass.range_constexpr(h):
+                parts[q] = cm.add_rn(parts[q], parts[q + h])
+        total = parts[0]
+        for j in cutlass.range_constexpr(min(levels, 5)):  # h = 16, ..., 1: across lanes
+            total = cm.add_rn(total, cute.arch.shuffle_sync_down(
+                total, offset=min(count // 2, 16) >> j))
+        return cute.arch.shuffle_sync(total, offset=0)
 
     @cute.jit
     def _epilogue(self, gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
@@ -599,7 +768,7 @@ class _StreamingExtend(_Streaming):
                     sLg[(None, ph, k)].store(gSs[(None, (entry, gc))].load())
 
     @cute.jit
-    def _pool(self, sTile, sLg, gApe, sRed, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,
+    def _pool(self, sTile, sLg, gApe, sRed, sScr, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,
               slot, tid, lane, cvw, wp, cb):
         """Row n = block q of a request (uniform over the CTA)."""
         self._gather_window(sTile, sLg, gApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
@@ -608,7 +777,7 @@ class _StreamingExtend(_Streaming):
         # Entries exist from position 0 on: flags "real row, has a previous block", and no
         # token bound, so the mask is the forward's block-0 mask. (No ape tile: the logits
         # are in sLg.)
-        self._row(sTile, None, sRed, sRed, gOut, gOut, gOut, None, 0, n,
+        self._row(sTile, None, sRed, sScr, gOut, gOut, gOut, None, 0, n,
                   (q - (self.co - 1)) * self.r, Int32(3), Int32(requests.INT32_MAX), tid,
                   lane, cvw, wp, cb, True, sLg)
         cute.arch.barrier()  # the tile is free for the next row
@@ -720,7 +889,8 @@ class _StreamingExtend(_Streaming):
         sTile = smem.allocate_tensor(self.dtype, cute.make_layout(
             tile, stride=(1, self.vec, self.vec * CV, 0, 0)), 128)
         sLg = smem.allocate_tensor(Float32, cute.make_layout((self.vec, CV, self.wpad)), 16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((self.vec, self.wpc, CV, 3)), 16)
+        sRed = smem.allocate_tensor(
+            Float32, cute.make_layout((self.vec, self.wpc, CV, RED_KINDS)), 16)
         sItem = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
@@ -767,7 +937,7 @@ class _StreamingExtend(_Streaming):
                     self._quiet_update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length,
                                        slot, lane, cb)
 
-        tiles = (sTile, sLg, gApe, sRed, gKV, gSc, gKVs, gSs, gOut)
+        tiles = (sTile, sLg, gApe, sRed, self._scratch(smem, sRed), gKV, gSc, gKVs, gSs, gOut)
         for j in cutlass.range(ni, unroll=1):
             item = rg + j * groups
             if item < num_reqs:

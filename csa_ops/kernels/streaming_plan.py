@@ -9,12 +9,16 @@ from __future__ import annotations
 import math
 
 from ..config import TYPES, KernelKey, LaunchPlan, StreamingKnobs, widest_vec, with_knobs
+from . import torch_order
 
 MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
 MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
 SMEM_PER_SM = 227 * 1024
 EXTEND_WAVES = 4  # extend CTAs per column block: this many waves of the forward's CTA slots
 FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
+# Cross-warp partials of a row (kernels/streaming.py): max, sum e, sum e*v and the forward's
+# certificate sums (sum e|v|, sum |v|).
+RED_KINDS = 5
 
 
 def _pow2_ceil(x: int) -> int:
@@ -30,10 +34,12 @@ def _shape(window: int, head_dim: int, vec: int) -> tuple[int, int, int]:
 
 
 def _smem_bytes(elem_bytes: int, vec: int, cv: int, wpc: int, kt: int, backward: bool,
-                stages: int) -> int:
+                stages: int, parity: bool = False) -> int:
     cols, wpad = cv * vec, 32 * kt * wpc
     stage = (2 * wpad + (1 if backward else 0)) * cols * elem_bytes
-    fixed = wpad * cols * 4 + 3 * cols * wpc * 4 + 2 * MAX_ROWS * 4
+    fixed = wpad * cols * 4 + RED_KINDS * cols * wpc * 4 + 2 * MAX_ROWS * 4
+    if parity and not backward:
+        fixed += wpad * cv * 4  # the exact columns' scratch
     return fixed + stages * stage + 1024
 
 
@@ -51,9 +57,12 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backw
         cv = min(cv0, 4) if wpc == 2 and not backward else cv0
     nt = 32 * cv * wpc
     ctas = max(1, min(4, 512 // nt)) if ctas is None else ctas
+    # The forward certifies each column against torch's order and recomputes in that order
+    # the few it cannot (SPEC 3: within one rounding step of the eager region).
+    parity = int(not backward and torch_order.supported(coff * ratio, head_dim))
     while stages is None:
         fits = [s for s in (4, 3, 2)
-                if _smem_bytes(eb, vec, cv, wpc, kt, backward, s) * ctas <= SMEM_PER_SM]
+                if _smem_bytes(eb, vec, cv, wpc, kt, backward, s, parity) * ctas <= SMEM_PER_SM]
         if fits or ctas == 1:
             stages = fits[0] if fits else 2
         else:
@@ -63,7 +72,7 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backw
     # 13.1 against 14.0 us), but the forward with two warps per column (coff 2) loses 7-13%
     # (1x131072 d512 168.1 against 149.0 us), so it launches plainly.
     knobs = StreamingKnobs(vec, cv, wpc, kt, stages, ctas, fast_exp=FWD_FAST_EXP and not backward,
-                           pdl=backward or wpc != 2)
+                           pdl=backward or wpc != 2, parity=parity)
     key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, knobs)
     return with_knobs(key, **overrides) if overrides else key
 
@@ -78,8 +87,12 @@ def supports(key: KernelKey) -> bool:
         return False
     if k.threads > 1024 or 32 * k.wpc * k.kt < key.window or 32 % k.vec:
         return False
-    smem = _smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, True, k.stages)
-    return smem <= SMEM_PER_SM  # the backward's, the larger
+    if k.parity not in (0, 1, 2) or (
+            k.parity and not torch_order.supported(key.window, key.head_dim)):
+        return False
+    smem = max(_smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, backward, k.stages,
+                           bool(k.parity)) for backward in (False, True))
+    return smem <= SMEM_PER_SM
 
 
 def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,

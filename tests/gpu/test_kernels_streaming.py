@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EPS, PackSpec, make_pack, spec_params
+from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step, eager_region,
+                     make_pack, spec_params)
 
 from csa_ops import host, reference
-from csa_ops.kernels import streaming_plan
+from csa_ops.kernels import streaming_plan, torch_order
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or host.device_arch() is None,
@@ -257,3 +258,89 @@ def test_host_selects_streaming_and_matches():
     _check_grad(gkv, ref[0], orc[0], torch.bfloat16, "grad_kv")
     _check_grad(gsc, ref[1], orc[1], torch.bfloat16, "grad_score")
     torch.testing.assert_close(gape, ref[2], atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- torch's order (SPEC 3)
+ORDER_WINDOWS = (10, 32, 48, 64, 100, 128, 256)
+ORDER_HEAD_DIMS = (512, 130, 128, 96, 65, 64, 33, 32, 7)
+
+
+@pytest.mark.parametrize("rows", (3, 700))
+def test_torch_order_model_is_torch(rows):
+    # kernels/torch_order.py, the exact columns' source, against torch's own CUDA softmax and
+    # sum on random windows: every supported (W, d) bit for bit.
+    wrong = []
+    for window in ORDER_WINDOWS:
+        for head_dim in ORDER_HEAD_DIMS:
+            if not torch_order.supported(window, head_dim):
+                continue
+            gen = torch.Generator(device="cuda").manual_seed(window * 1000 + head_dim)
+            sg = 2 * torch.randn(rows, window, head_dim, device="cuda", generator=gen)
+            kvg = torch.randn(rows, window, head_dim, device="cuda", generator=gen)
+            eager = (kvg * torch.softmax(sg, dim=1)).sum(dim=1)
+            model = torch_order.forward(sg, kvg)
+            if not torch.equal(eager, model):
+                wrong.append((window, head_dim, int((eager != model).sum())))
+    assert not wrong, f"(W, d, elements differing): {wrong}"
+
+
+def _region(pack):
+    spec = pack.spec
+    out = eager_region(*pack.tensors(), spec.ratio, spec.coff)
+    return torch.cat([out, out.new_zeros(spec.capacity - spec.true_rows, spec.head_dim)])
+
+
+@pytest.mark.parametrize(("spec", "dtype"), CASES)
+def test_exact_columns_are_the_eager_region(spec, dtype):
+    # parity=2: every column in torch's order, so the forward is torch's eager region bit
+    # for bit wherever torch_order models the configuration.
+    if not torch_order.supported(spec.ratio * spec.coff, spec.head_dim):
+        pytest.skip("torch's order is not modelled for this window and head_dim")
+    pack = make_pack(spec, dtype=dtype, device="cuda", seed=13)
+    out = run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity, parity=2)
+    assert_bitwise_equal(out, _region(pack), "out")
+
+
+def _cancelling_pack(spec, dtype, device, seed):
+    """Windows that nearly cancel: token pairs (2t, 2t + 1) with opposite kv and logits 0
+    and 2**-9 (ape zero), so |out| is about 2**-9 sum(p|v|) / sqrt(W): no column certifies,
+    and the roundings do not cancel symmetrically (exact pairs would sum to 0 in any order)."""
+    pack = make_pack(spec, dtype=dtype, device=device, seed=seed)
+    pairs = pack.kv.shape[0] // 2
+    pack.kv[1:2 * pairs:2] = -pack.kv[0:2 * pairs:2]
+    pack.score.zero_()
+    pack.score[1::2] = 2.0**-9
+    pack.ape.zero_()
+    return pack
+
+
+@pytest.mark.parametrize(("spec", "dtype"), CASES)
+def test_certified_forward_within_one_step_of_the_region(spec, dtype):
+    # The default (parity=1): columns the certificate cannot place within one step of the
+    # eager region are recomputed in its order, so every element is within one step.
+    if not torch_order.supported(spec.ratio * spec.coff, spec.head_dim):
+        pytest.skip("torch's order is not modelled for this window and head_dim")
+    pack = make_pack(spec, dtype=dtype, device="cuda", seed=14)
+    key = streaming_plan.configure(spec.ratio, spec.coff, spec.head_dim,
+                                   str(dtype).removeprefix("torch."), host.device_arch(), False)
+    assert key.knobs.parity == 1
+    out = run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
+    assert_within_one_step(out, _region(pack), "out", max_fraction=1e-2)
+
+
+# Even ratios and segment lengths: every window holds whole token pairs.
+CANCELLING = (PackSpec((1024, 0, 512), ratio=128, coff=1, head_dim=128, extra_rows=2),
+              PackSpec((1024, 512), ratio=64, coff=2, head_dim=96, extra_tokens=2),
+              PackSpec((768, 256), ratio=128, coff=2, head_dim=512))
+
+
+@pytest.mark.parametrize("spec", spec_params(CANCELLING))
+def test_uncertified_columns_take_torch_order(spec):
+    # No column of a cancelling pack certifies, so the default forward is the exact one
+    # (parity=2) bit for bit, and so the eager region's; the fast forward is not.
+    pack = _cancelling_pack(spec, torch.bfloat16, "cuda", 15)
+    args = (*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
+    out = run_forward(*args)
+    assert_bitwise_equal(out, run_forward(*args, parity=2), "out against parity=2")
+    assert_bitwise_equal(out, _region(pack), "out against the eager region")
+    assert not torch.equal(run_forward(*args, parity=0), out)
