@@ -7,7 +7,9 @@ call, and audits the PTX numerics the bitwise contract rests on.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +111,18 @@ def test_torch_order_configurations():
     assert streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", False).knobs.parity == 0
     assert not streaming_plan.supports(with_knobs(
         streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", False), parity=1))
+
+
+def test_torch_order_matches_the_recorded_probe():
+    # bench/probe_torch_order.py on the H200 (torch 2.11): for each shape, the chain counts
+    # and splits whose emulation equals torch's own kernels bit for bit.
+    path = Path(__file__).resolve().parents[1] / "bench/results/h200/torch_order_probe.json"
+    cases = json.loads(path.read_text())["cases"]
+    assert len(cases) == 275
+    for case in cases:
+        window, head_dim, rows = case["window"], case["head_dim"], case["rows"]
+        assert torch_order.softmax_chains(window, head_dim) in case["softmax_chains_matching"]
+        assert torch_order.sum_split(window, head_dim, rows) in case["sum_split_matching"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
