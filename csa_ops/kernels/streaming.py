@@ -575,7 +575,7 @@ class _Streaming:
             if const_expr(stride < 32):
                 c = lane % stride
             total = Float32(0.0)
-            for i in cutlass.range(count, unroll=8):
+            for i in cutlass.range(count, unroll=32):
                 k = c + stride * i
                 term = sw[cutlass.min(k, self.wpad - 1)]
                 total = cm.add_rn(total, cutlass.select_(k < self.w, term, Float32(0.0)))
