@@ -5,9 +5,12 @@ row, cp.async brings the window tile into shared memory in coalesced 128-byte ro
 rows ahead, so each input element leaves DRAM once. Warp w then owns column vector w % cv and
 a 32 * kt slice of the window (one entry per lane and step): the softmax runs as exact passes
 over the tile (max; then exp, sum and sum e*v) with reductions by warp shuffles in a fixed
-order (bitwise run-to-run deterministic). The backward writes its gradients back into the tile
-and stores them coalesced. grad_ape: per-CTA partials in registers, written to the workspace
-and summed over CTAs by reduce.py's fixed-order sum. Keys and plans: streaming_plan.py.
+order (bitwise run-to-run deterministic). The forward (parity knob) bounds each column's
+distance from torch's own CUDA order and recomputes, in that order (torch_order.py), the
+columns it cannot place within one output step. The backward writes its gradients back into
+the tile and stores them coalesced. grad_ape: per-CTA partials in registers, written to the
+workspace and summed over CTAs by reduce.py's fixed-order sum. Keys and plans:
+streaming_plan.py.
 """
 
 from __future__ import annotations
@@ -18,8 +21,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
-from ..config import KernelKey
-from ..config import TYPES
+from ..config import TYPES, KernelKey
 from . import common as cm
 from . import requests, torch_order
 from .reduce import launch_sum_parts
