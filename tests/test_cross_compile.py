@@ -7,9 +7,7 @@ call, and audits the PTX numerics the bitwise contract rests on.
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from helpers import config_id
 
 from csa_ops import host
 from csa_ops.config import ARCHS, KernelKey, StreamingKnobs, WindowKnobs, parse_knobs, with_knobs
-from csa_ops.kernels import FAMILIES, select_key, streaming_plan, torch_order, window_plan
+from csa_ops.kernels import FAMILIES, select_key, streaming_plan, window_plan
 
 CONFIGS = (  # ratio, coff, head_dim, dtype
     (4, 2, 128, torch.bfloat16),
@@ -90,39 +88,6 @@ def test_ptx_of_the_fast_forward(arch):
     assert text.count("fma.rm.f32") == entries  # the fallback's expf only
     assert text.count("div.rn.f32") == vec + (entries + vec)
     assert text.count("setp.ge.f32") == vec  # one certificate test per column
-
-
-def test_torch_order_configurations():
-    # torch's launch configurations (ATen's SoftMax.cu and Reduce.cuh) as torch_order derives
-    # them; tests/gpu/test_kernels_streaming.py checks the derived order against torch.
-    assert (torch_order.softmax_chains(128, 512), torch_order.sum_split(128, 512)) == (1, 4)
-    assert (torch_order.softmax_chains(256, 128), torch_order.sum_split(256, 128)) == (1, 4)
-    assert torch_order.sum_split(32, 512) == 1  # under 16 values per thread: no split
-    assert torch_order.sum_split(128, 65) == 1 and torch_order.sum_split(256, 65) == 16
-    assert torch_order.softmax_chains(128, 64) == 16 and torch_order.softmax_chains(256, 32) == 32
-    assert torch_order.softmax_chains(32, 64) == 1  # short windows: one thread per column
-    # Few outputs narrow the block and deepen the split: the kernels assume min_rows.
-    assert torch_order.sum_split(128, 64) == 4 and torch_order.sum_split(128, 64, rows=1) == 8
-    assert torch_order.min_rows(64) == 2 and torch_order.min_rows(512) == 1
-    assert not torch_order.supported(512, 128) and not torch_order.supported(128, 1)
-    forward = streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", False)
-    assert forward.knobs.parity == 1
-    assert streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", True).knobs.parity == 0
-    assert streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", False).knobs.parity == 0
-    assert not streaming_plan.supports(with_knobs(
-        streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", False), parity=1))
-
-
-def test_torch_order_matches_the_recorded_probe():
-    # bench/probe_torch_order.py on the H200 (torch 2.11): for each shape, the chain counts
-    # and splits whose emulation equals torch's own kernels bit for bit.
-    path = Path(__file__).resolve().parents[1] / "bench/results/h200/torch_order_probe.json"
-    cases = json.loads(path.read_text())["cases"]
-    assert len(cases) == 275
-    for case in cases:
-        window, head_dim, rows = case["window"], case["head_dim"], case["rows"]
-        assert torch_order.softmax_chains(window, head_dim) in case["softmax_chains_matching"]
-        assert torch_order.sum_split(window, head_dim, rows) in case["sum_split_matching"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
