@@ -29,8 +29,8 @@ def probe(window: int, head_dim: int, rows: int) -> dict:
     p = torch.softmax(sg, dim=1)
     soft = [c for c in POWERS if c <= window and torch.equal(torch_order.softmax(sg, c), p)]
     total = terms.sum(dim=1)
-    split = [h for h in POWERS if 4 * h <= 4 * window
-             and torch.equal(torch_order.window_sum(terms, h), total)]
+    split = [h for h in POWERS
+             if h <= window and torch.equal(torch_order.window_sum(terms, h), total)]
     model = (torch_order.softmax_chains(window, head_dim),
              torch_order.sum_split(window, head_dim, rows))
     return {"window": window, "head_dim": head_dim, "rows": rows, "model": model,
@@ -53,9 +53,10 @@ def main() -> None:
                       f"softmax {r['softmax_chains_matching']}  sum {r['sum_split_matching']}"
                       f"{'' if r['model_holds'] else '  MISMATCH'}")
     print(f"model holds on {sum(r['model_holds'] for r in results)} of {len(results)}")
-    if args.json:
+    if args.json:  # the format of bench/results/h200/torch_order_probe.json
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "script": "bench/probe_torch_order.py", "cases": results}, f, indent=0)
 
 
 if __name__ == "__main__":

@@ -71,19 +71,23 @@ class _Streaming:
     def _certificate(self, key: KernelKey) -> None:
         """Constants of _row's certificate: a column is certified when
             cert_m * sum(e|v|) + cert_v * sum(|v|) < cert_keep * |sum(e v)|.
-        Both the fast column and torch's (u = 2**-24 each, first order) lie within
+        To first order (u = 2**-24) the fast column and torch's lie within
             u (3 sum(p|v||l - m|) + c_S sum(p|v|) + c_O |out|)
-        of the exact value: per entry, ex2.approx (2**-21) and the rounding of its argument
-        (|x| u, x = (l - m) log2(e) - shift) against expf (2 ulp), its argument's rounding,
-        the division and the product; both sums' trees (depths kt + 4 + wpc and
-        torch_order.sum_depth); on |out|, the denominators' sums (torch's: up to W - 1
-        roundings) and the per-entry errors' weighted mean (sum p|l - m| <= ln W). The
-        |l - m| term costs no sum of its own: entries with |l - m| <= D0 add at most
-        3 D0 sum(p|v|), the others at most 3 D0 e**-D0 sum|v| / s (p|l - m| <= e**(l - m)
-        |l - m| / s). ex2.approx.ftz flushes e below 2**-126: at most 2**-126 sum|v| on
-        sum(e v). Under one output step, at least 2**-p |out| for p significand bits, with a
-        factor 2 margin (2**(p+1)) and 1.25 for the second order, the two cannot round more
-        than one step apart. NaN and infinities fail the test."""
+        of each other. c_S: per entry, ex2.approx (2**-21) and the rounding of its argument
+        (|x| u, x = (l - m) log2(e) - shift) against expf (2 ulp), the division and the
+        product (the 14 counts 8 + 4 + 1 and one product; the other product's rounding is
+        the first add of a depth below); both sums' trees (depths kt + 4 + wpc and
+        torch_order.sum_depth, each counting its exact first add as a rounding). c_O: both
+        denominators' sums (torch's: up to W - 1 roundings), the final division and the
+        per-entry errors' weighted mean (sum p|l - m| <= ln W). The |l - m| term (the
+        arguments' roundings, both sides) costs no sum of its own: entries with |l - m| <=
+        D0 add at most 3 D0 sum(p|v|), the others at most 3 D0 e**-D0 sum|v| / s
+        (p|l - m| <= e**(l - m) |l - m| / s). ex2.approx.ftz flushes e below 2**-126: at most
+        2**-126 sum|v| on sum(e v). One output step is at least 2**-p |out| for p significand
+        bits; below it the two cannot round more than one step apart. The test asks for half
+        that (2**(p+1)) and 1.25 more for the second order: that margin also covers the
+        gradual underflow of products e v below 2**-126 (at most W**2 2**-150 / s, under
+        the smallest bf16 step). NaN and infinities fail the test."""
         w, u, d0 = self.w, 2.0**-24, 4.0
         self.soft_chains = torch_order.softmax_chains(w, self.d)
         self.sum_split = torch_order.sum_split(w, self.d)
@@ -96,6 +100,7 @@ class _Streaming:
         self.cert_m = scale * u * c_s
         self.cert_v = scale * (2.0**-126 + 3 * u * 2.0**-self.shift * d0 * math.exp(-d0))
         self.cert_keep = 1 - scale * u * c_o
+        assert self.cert_keep > 0.5, "the certificate is meant for 16-bit outputs"
 
     # ---------------------------------------------------------------- small helpers
     def _phys(self, cv, k):

@@ -61,8 +61,11 @@ def sum_split(window: int, head_dim: int, rows: int = 1 << 20) -> int:
 
 
 def min_rows(head_dim: int) -> int:
-    """Rows from which sum_split no longer depends on them (the kernels assume as many: a
-    smaller region's exact columns sum in another order, still within one step)."""
+    """Rows from which sum_split no longer depends on them. The kernels assume as many: in a
+    smaller region (possible for d < 128 only, e.g. one row at d = 64 or 96) torch splits
+    its sum differently, so the kernels' exact columns are not torch's bits there, and a
+    column the certificate fails is not guaranteed within one step of it (a known limit;
+    lifting it needs the split chosen at run time from the row count)."""
     vec = 4 if head_dim % 4 == 0 else 2 if head_dim % 2 == 0 else 1
     return -(-32 * vec // head_dim)
 
