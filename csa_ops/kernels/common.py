@@ -13,6 +13,7 @@ from cutlass import Boolean, Float32, Int32, Int64, cute
 from cutlass._mlir_helpers.math import RoundingMode
 
 from ..config import TYPES
+from . import torch_order
 
 _RN = RoundingMode.NEAREST_EVEN
 LOG2E = 1.4426950408889634  # exp(x) = 2**(x * LOG2E), for the ex2.approx softmax paths
@@ -51,7 +52,7 @@ def fma_rn(a: Float32, b: Float32, c: Float32) -> Float32:
 
 
 # torch's CUDA reduction kernel gives each thread this many accumulators (its vt0).
-TORCH_SUM_ACCUMULATORS = 4
+TORCH_SUM_ACCUMULATORS = torch_order.ACCUMULATORS
 
 
 def torch_sum(terms: list) -> Float32:

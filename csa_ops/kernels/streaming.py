@@ -65,7 +65,9 @@ class _Streaming:
         self.shift = max(0, math.ceil(math.log2(self.w)))
         self.async_copy = self.vec * 2 >= 4  # cp.async moves 4, 8 or 16 bytes
         self.parity = 0 if backward else k.parity
-        if self.parity:
+        if self.parity:  # the exact columns' order, and the certificate that calls them
+            self.soft_chains = torch_order.softmax_chains(self.w, self.d)
+            self.sum_split = torch_order.sum_split(self.w, self.d)
             self._certificate(key)
 
     def _certificate(self, key: KernelKey) -> None:
@@ -89,8 +91,6 @@ class _Streaming:
         gradual underflow of products e v below 2**-126 (at most W**2 2**-150 / s, under
         the smallest bf16 step). NaN and infinities fail the test."""
         w, u, d0 = self.w, 2.0**-24, 4.0
-        self.soft_chains = torch_order.softmax_chains(w, self.d)
-        self.sum_split = torch_order.sum_split(w, self.d)
         depth_fast = self.kt + 4 + self.wpc
         c_s = (14 + math.log(2) * self.shift + depth_fast + torch_order.sum_depth(w, self.d)
                + 3 * d0)
@@ -556,12 +556,12 @@ class _Streaming:
             sw[i * 32 + lane] = cm.mul_rn(kv[i], cm.div_rn(e[i], s))
         cute.arch.sync_warp()
         split = self.sum_split
-        acc = self._chains(sw, 4 * split, lane)
+        acc = self._chains(sw, cm.TORCH_SUM_ACCUMULATORS * split, lane)
         cute.arch.sync_warp()  # the scratch is free for the next column
-        # Thread y's four accumulators (chains y + split * a) in order, then the threads' tree.
+        # Thread y's accumulators (chains y + split * a) in order, then the threads' tree.
         y = lane % split
         total = Float32(0.0)
-        for a in cutlass.range_constexpr(4):
+        for a in cutlass.range_constexpr(cm.TORCH_SUM_ACCUMULATORS):
             part = cute.arch.shuffle_sync(acc[(split * a) // 32], offset=(y + split * a) % 32)
             if const_expr(a == 0):
                 total = part

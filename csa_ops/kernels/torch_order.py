@@ -28,6 +28,12 @@ from __future__ import annotations
 # split across CTAs); such configurations keep the fast forward without parity.
 MAX_WINDOW = 256
 MAX_SUM_SPLIT = 16
+ACCUMULATORS = 4  # reduce_kernel's vt0: accumulators per thread
+
+
+def _output_vec(head_dim: int) -> int:
+    """reduce_kernel's output vectorization over d (the widest of 4, 2, 1 dividing it)."""
+    return 4 if head_dim % 4 == 0 else 2 if head_dim % 2 == 0 else 1
 
 
 def _last_pow2(n: int) -> int:
@@ -49,7 +55,7 @@ def sum_split(window: int, head_dim: int, rows: int = 1 << 20) -> int:
     """Threads that split one output's W terms (reduce_kernel's block.y), 1 for none, for a
     region of `rows` rows. The block's width covers outputs (rows * d of them, vectorized),
     so the split depends on rows where rows * d / vec < 32: below min_rows(head_dim)."""
-    vec = 4 if head_dim % 4 == 0 else 2 if head_dim % 2 == 0 else 1  # output vectorization
+    vec = _output_vec(head_dim)
     max_threads = 512 // vec
     dim0 = rows * head_dim // vec
     dim0_pow2 = max_threads if dim0 >= max_threads else _last_pow2(dim0)
@@ -66,21 +72,20 @@ def min_rows(head_dim: int) -> int:
     its sum differently, so the kernels' exact columns are not torch's bits there, and a
     column the certificate fails is not guaranteed within one step of it (a known limit;
     lifting it needs the split chosen at run time from the row count)."""
-    vec = 4 if head_dim % 4 == 0 else 2 if head_dim % 2 == 0 else 1
-    return -(-32 * vec // head_dim)
+    return -(-32 * _output_vec(head_dim) // head_dim)
 
 
 def sum_depth(window: int, head_dim: int) -> int:
     """Roundings on the longest path of the sum (its error bound's coefficient)."""
     split = sum_split(window, head_dim)
-    return -(-window // (4 * split)) + 3 + split.bit_length() - 1
+    return -(-window // (ACCUMULATORS * split)) + ACCUMULATORS - 1 + split.bit_length() - 1
 
 
 def supported(window: int, head_dim: int) -> bool:
     """The exact column can mirror this configuration's order (head_dim 1 softmaxes over
     the last dimension, another kernel)."""
-    return (head_dim > 1 and window <= MAX_WINDOW and sum_split(window, head_dim) <= MAX_SUM_SPLIT
-            and softmax_chains(window, head_dim) <= MAX_WINDOW)
+    return (head_dim > 1 and window <= MAX_WINDOW
+            and sum_split(window, head_dim) <= MAX_SUM_SPLIT)
 
 
 def _chains(terms, stride: int) -> list:
@@ -112,9 +117,14 @@ def softmax(sg, chains: int | None = None):
 def window_sum(terms, split: int | None = None):
     """terms.sum(dim=1) of (rows, W, d) in reduce_kernel's order above."""
     split = split or sum_split(terms.shape[1], terms.shape[2], terms.shape[0])
-    acc = _chains(terms, 4 * split)  # thread y's accumulator a: chain y + split * a
-    return _halving([((acc[y] + acc[y + split]) + acc[y + 2 * split]) + acc[y + 3 * split]
-                     for y in range(split)])
+    acc = _chains(terms, ACCUMULATORS * split)  # thread y's accumulator a: chain y + split a
+    threads = []
+    for y in range(split):
+        total = acc[y]
+        for a in range(1, ACCUMULATORS):
+            total = total + acc[y + split * a]
+        threads.append(total)
+    return _halving(threads)
 
 
 def forward(sg, kvg):
