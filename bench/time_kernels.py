@@ -4,6 +4,8 @@ Per shape: device-to-device copy bandwidth (the DRAM ceiling), then forward and 
 kernel time per call from CUDA-graph replays of 20 launches that rotate over input sets
 larger than 3x the device's L2, and the host time of one eager call. Prints a table; --json
 writes it. ``--knobs "pdl=0;linear=0"`` times the default keys with knobs overridden.
+``--no-grad-ape-sum`` builds the backwards without their grad_ape sum launch (timing only:
+grad_ape is then wrong) to measure what that launch costs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 import timing  # bench/ is the script's folder, so on sys.path
 import torch
@@ -158,6 +161,16 @@ def latency_baselines(nbytes: int) -> tuple[float, float]:
     return t_launch, t_copy
 
 
+def _drop_grad_ape_sum() -> None:
+    """Both families' backward entries trace without the grad_ape sum launch (compiled
+    fresh: the kernel cache would hand back the real kernels)."""
+    from csa_ops.kernels import streaming, window
+
+    os.environ["CSA_OPS_CACHE"] = "0"
+    for module in (window, streaming):
+        module.launch_sum_parts = lambda *args, **kwargs: None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
@@ -168,7 +181,11 @@ def main() -> None:
                              "(fwd,bwd; autotuning data)")
     parser.add_argument("--knobs", default="",
                         help='knob variants of the default keys, e.g. "pdl=0;linear=0"')
+    parser.add_argument("--no-grad-ape-sum", action="store_true",
+                        help="timing only: backwards without their grad_ape sum launch")
     args = parser.parse_args()
+    if args.no_grad_ape_sum:
+        _drop_grad_ape_sum()
     dtype = getattr(torch, args.dtype)
     shapes = [s for s in SHAPES if args.only in _label(*s)]
     try:
