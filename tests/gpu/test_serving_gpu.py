@@ -337,3 +337,24 @@ def test_adversarial_extend_kernel_extremes(ratio, coff):
     assert cuc == [0, 10]
     _, cuc = call(5 * r, [0, 2 * r + 2, 5 * r], [0, 3], [1, 1], 7)  # one slot, repeated
     assert cuc == [0, 2, 5]
+
+
+@pytest.mark.parametrize("ratio,coff", [(128, 1), (128, 2)])
+def test_extend_rows_through_the_exact_columns(ratio, coff):
+    """Requests whose windows cancel (token pairs with opposite kv, logits 0 and 2**-9): no
+    column certifies, so every row goes through the exact columns, whose logits the extend
+    kernel reads from the state as well as from new tokens. Rows and state stay bitwise the
+    one-shot forward's."""
+    lengths = (1024, 512, 0, 256)
+    req = make_requests(lengths, ratio, coff, 128, torch.bfloat16, device="cuda", seed=3)
+    for kv, score in zip(req.kv, req.score):
+        kv[1::2] = -kv[0::2]
+        score.zero_()
+        score[1::2] = 2.0**-9
+    req.ape.zero_()
+    slot_of = permuted_slots(len(lengths), len(lengths) + 2, 3)
+    state = CompressorState(len(lengths) + 2, ratio, coff, 128, torch.bfloat16, "cuda")
+    rows, consumed = run_schedule(req, random_schedule(lengths, ratio, 3, decode_tail=130),
+                                  state, slot_of)
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
