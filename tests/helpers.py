@@ -189,6 +189,17 @@ def region_windows(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff
     return sg, kvg
 
 
+def cancel_in_pairs(kv: torch.Tensor, score: torch.Tensor) -> None:
+    """Makes windows that nearly cancel, in place: token pairs (2t, 2t + 1) get opposite kv
+    and logits 0 and 2**-9 (with ape zero), so |out| is about 2**-9 sum(p|v|) / sqrt(W): no
+    column certifies, and the roundings do not cancel symmetrically (exact pairs would sum
+    to 0 in any order). Windows hold whole pairs where ratio and segment starts are even."""
+    pairs = kv.shape[0] // 2
+    kv[1:2 * pairs:2] = -kv[0:2 * pairs:2]
+    score.zero_()
+    score[1::2] = 2.0**-9
+
+
 def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
                  total_comp=None):
     """SPEC 3: w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1) over region_windows,

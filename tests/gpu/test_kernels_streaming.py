@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step, eager_region,
-                     make_pack, spec_params)
+from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step,
+                     cancel_in_pairs, eager_region, make_pack, spec_params)
 
 from csa_ops import host, reference
 from csa_ops.kernels import streaming_plan, torch_order
@@ -301,14 +301,9 @@ def test_exact_columns_are_the_eager_region(spec, dtype):
 
 
 def _cancelling_pack(spec, dtype, device, seed):
-    """Windows that nearly cancel: token pairs (2t, 2t + 1) with opposite kv and logits 0
-    and 2**-9 (ape zero), so |out| is about 2**-9 sum(p|v|) / sqrt(W): no column certifies,
-    and the roundings do not cancel symmetrically (exact pairs would sum to 0 in any order)."""
+    """A pack whose windows nearly cancel (helpers.cancel_in_pairs, ape zero)."""
     pack = make_pack(spec, dtype=dtype, device=device, seed=seed)
-    pairs = pack.kv.shape[0] // 2
-    pack.kv[1:2 * pairs:2] = -pack.kv[0:2 * pairs:2]
-    pack.score.zero_()
-    pack.score[1::2] = 2.0**-9
+    cancel_in_pairs(pack.kv, pack.score)
     pack.ape.zero_()
     return pack
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_within_one_step
+from helpers import assert_bitwise_equal, assert_within_one_step, cancel_in_pairs
 from serving_helpers import (
     assert_rows,
     assert_state,
@@ -341,16 +341,13 @@ def test_adversarial_extend_kernel_extremes(ratio, coff):
 
 @pytest.mark.parametrize("ratio,coff", [(128, 1), (128, 2)])
 def test_extend_rows_through_the_exact_columns(ratio, coff):
-    """Requests whose windows cancel (token pairs with opposite kv, logits 0 and 2**-9): no
-    column certifies, so every row goes through the exact columns, whose logits the extend
-    kernel reads from the state as well as from new tokens. Rows and state stay bitwise the
-    one-shot forward's."""
+    """Requests whose windows cancel (helpers.cancel_in_pairs): no column certifies, so
+    every row goes through the exact columns, whose logits the extend kernel reads from the
+    state as well as from new tokens. Rows and state stay bitwise the one-shot forward's."""
     lengths = (1024, 512, 0, 256)
     req = make_requests(lengths, ratio, coff, 128, torch.bfloat16, device="cuda", seed=3)
     for kv, score in zip(req.kv, req.score):
-        kv[1::2] = -kv[0::2]
-        score.zero_()
-        score[1::2] = 2.0**-9
+        cancel_in_pairs(kv, score)
     req.ape.zero_()
     slot_of = permuted_slots(len(lengths), len(lengths) + 2, 3)
     state = CompressorState(len(lengths) + 2, ratio, coff, 128, torch.bfloat16, "cuda")
