@@ -305,9 +305,16 @@ def ulp(x: torch.Tensor, dtype) -> torch.Tensor:
     return torch.exp2(exponent - mantissa)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as same-size integers: equal bits, not equal values (-0 differs from +0)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
 def assert_bitwise_equal(actual, expected, name=""):
+    """The same bits everywhere (a zero's sign included), except that NaN matches any NaN."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-    same = (actual == expected) | (torch.isnan(actual) & torch.isnan(expected))
+    same = (bits(actual) == bits(expected)) | (torch.isnan(actual) & torch.isnan(expected))
     if not bool(same.all()):
         bad = (~same).nonzero()[:5].tolist()
         raise AssertionError(f"{name}: {int((~same).sum())} elements differ, first at {bad}")

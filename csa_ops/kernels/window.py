@@ -173,10 +173,26 @@ def _pool_fast(g, logits, m, value, first):
     return acc / s, certified
 
 
-def _scattered(g, x):
-    """x rounded to the gradient dtype as torch's autograd delivers it: the gathered
-    windows' backward adds each gradient into zeros, so a zero comes out +0, never -0."""
-    return g.dtype(cm.pick(cute.math.absf(x) <= Float32(g.zero_rounding), Float32(0.0), x))
+@cute.jit
+def _scatter_into_zeros(g, rD: cute.Tensor):
+    """rD (V, W), gradients rounded to their dtype, as torch's autograd delivers them: the
+    gathered windows' backward adds each gradient into zeros, so a zero comes out +0, never
+    -0. Adding +0 in the dtype does exactly that and nothing else; bf16 and fp16 add two
+    at a time (one packed add per pair)."""
+    if cutlass.const_expr(g.dtype is Float32):
+        for k in cutlass.range_constexpr(g.W):
+            for i in cutlass.range_constexpr(g.V):
+                rD[i, k] = cm.add_rn(rD[i, k], Float32(0.0))
+    else:
+        add_pair = (cute.arch.add_packed_bf16x2 if cutlass.const_expr(g.dtype is cutlass.BFloat16)
+                    else cute.arch.add_packed_f16x2)
+        zeros = (g.dtype(0.0), g.dtype(0.0))
+        for k in cutlass.range_constexpr(g.W):
+            for i in cutlass.range_constexpr(0, g.V, 2):
+                if cutlass.const_expr(i + 1 < g.V):
+                    rD[i, k], rD[i + 1, k] = add_pair((rD[i, k], rD[i + 1, k]), zeros, rnd="rn")
+                else:  # an odd vector's last element rides with a zero
+                    rD[i, k], _ = add_pair((rD[i, k], g.dtype(0.0)), zeros, rnd="rn")
 
 
 def _ape_layout(g: _Geometry):
@@ -380,6 +396,7 @@ def _build_backward(key: KernelKey):
         load_window(p_kv, p_score, rKV, rS, t0, first, cv)
         rGKV = cute.make_rmem_tensor((g.V, g.W), g.dtype)
         rGS = cute.make_rmem_tensor((g.V, g.W), g.dtype)
+        rGL = cute.make_rmem_tensor((g.V, g.W), Float32)
         for i in cutlass.range_constexpr(g.V):
             p, v = _probs(g, rKV, rS, sApe, i, cvl, first)
             go = Float32(rG[i])
@@ -392,11 +409,19 @@ def _build_backward(key: KernelKey):
                 dot = cm.add_rn(dot, t[k])
             for k in cutlass.range_constexpr(g.W):
                 gl = cm.fma_rn(-p[k], dot, t[k])
-                rGKV[i, k] = _scattered(g, cm.mul_rn(p[k], go))
-                rGS[i, k] = _scattered(g, gl)
+                rGKV[i, k] = g.dtype(cm.mul_rn(p[k], go))
+                rGS[i, k] = g.dtype(gl)
                 if cutlass.const_expr(g.entries[k][3]):
                     gl = cm.pick(first, Float32(0.0), gl)  # invalid entries feed no ape grad
-                sAcc[k * g.V + i, tid] = cm.add_rn(sAcc[k * g.V + i, tid], gl)
+                rGL[i, k] = gl
+        for k in cutlass.range_constexpr(g.W):
+            rA = cute.make_rmem_tensor((g.V,), Float32)
+            cute.autovec_copy(sAcc[(None, k), tid], rA)
+            for i in cutlass.range_constexpr(g.V):
+                rA[i] = cm.add_rn(rA[i], rGL[i, k])
+            cute.autovec_copy(rA, sAcc[(None, k), tid])
+        _scatter_into_zeros(g, rGKV)
+        _scatter_into_zeros(g, rGS)
         store_window(p_gkv, rGKV, t0, first, cv)
         store_window(p_gs, rGS, t0, first, cv)
 
@@ -413,10 +438,10 @@ def _build_backward(key: KernelKey):
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, _ape_layout(g), 16)
         # Thread-major partials: conflict-free, and each thread owns its column of them.
-        sAcc = smem.allocate_tensor(Float32, cute.make_layout((g.W * g.V, g.threads),
-                                                              stride=(g.threads, 1)), 16)
+        sAcc = smem.allocate_tensor(Float32, cute.make_layout(
+            ((g.V, g.W), g.threads), stride=((1, g.threads * g.V), g.V)), 16)
         for j in cutlass.range(g.W * g.V):
-            sAcc[j, tid] = Float32(0.0)
+            sAcc[(j % g.V, j // g.V), tid] = Float32(0.0)
         stage_ape(p_ape, sApe, by, tid)
         num_slots = cutlass.max((num_tokens + (g.R - 1)) // g.R, num_rows)
         if not g.ragged_cols or cv < g.tpr:
@@ -438,10 +463,9 @@ def _build_backward(key: KernelKey):
         for e in cutlass.range(tid, part, g.threads):
             k = e // (g.cvc * g.V)
             c = e % (g.cvc * g.V)
-            j = k * g.V + c % g.V
-            total = sAcc[j, c // g.V]
+            total = sAcc[(c % g.V, k), c // g.V]
             for r in cutlass.range(1, g.rpc, unroll=8):
-                total = cm.add_rn(total, sAcc[j, r * g.cvc + c // g.V])
+                total = cm.add_rn(total, sAcc[(c % g.V, k), r * g.cvc + c // g.V])
             col = by * (g.cvc * g.V) + c
             if col < g.D:
                 ape_row = k % g.R

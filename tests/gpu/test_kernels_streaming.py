@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step,
+from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step, bits,
                      cancel_in_pairs, eager_region, make_pack, spec_params)
 
 from csa_ops import host, reference
@@ -175,9 +175,6 @@ def test_bitwise_deterministic():
     def once():
         return (run_forward(*pack.tensors(), 128, 2, spec.capacity),
                 *run_backward(grad_out, *pack.tensors(), 128, 2))
-
-    def bits(t):
-        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
     first = once()
     for _ in range(3):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from helpers import (
     PackSpec,
+    assert_bitwise_equal,
     assert_within_one_step,
     eager_forward_backward,
     eager_region,
@@ -81,18 +82,6 @@ def _reference_grads(pack, grad_out):
     return gkv, gs, gape
 
 
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bitwise(a, b, what):
-    """Same bits (zero signs included); any NaN matches any NaN."""
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    bits = _BITS[a.element_size()]
-    same = (a.view(bits) == b.view(bits)) | (torch.isnan(a) & torch.isnan(b))
-    bad = (~same).sum().item()
-    assert bad == 0, f"{what}: {bad} of {a.numel()} elements differ"
-
-
 def _forward_key(spec, dtype):
     return host.select_key(spec.ratio, spec.coff, spec.head_dim, str(dtype).split(".")[-1],
                            host.device_arch(), False)
@@ -102,7 +91,7 @@ def _forward_like_reference(out, ref, spec, what):
     """Bitwise on the exact forward path; on the fast one (bf16) within one rounding step
     with NaN and infinities (signs included) where the reference has them."""
     if not _forward_key(spec, out.dtype).knobs.fast_exp:
-        _bitwise(out, ref, what)
+        assert_bitwise_equal(out, ref, what)
         return
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isnan(out), torch.isnan(ref)), what
@@ -124,8 +113,8 @@ def test_matches_reference(spec, dtype):
     ref_out = eager_region(*pack.args())
     rkv, rs, rape = _reference_grads(pack, grad_out)
     assert_within_one_step(out, ref_out, "forward", max_fraction=1e-3)
-    _bitwise(gkv, rkv, "grad_kv")
-    _bitwise(gs, rs, "grad_score")
+    assert_bitwise_equal(gkv, rkv, "grad_kv")
+    assert_bitwise_equal(gs, rs, "grad_score")
     torch.testing.assert_close(gape, rape, atol=1e-3, rtol=1e-3)
     true_rows = spec.true_rows
     assert torch.count_nonzero(out[true_rows:]) == 0
@@ -151,11 +140,11 @@ def test_forward_paths_and_determinism(dtype, fast):
         if fast:
             assert_within_one_step(first[0], ref_out, "forward", max_fraction=1e-3)
         else:
-            _bitwise(first[0], ref_out, "forward")
+            assert_bitwise_equal(first[0], ref_out, "forward")
         for _ in range(3):
             again = _run(pack, grad_out)
             for a, b, name in zip(first, again, ("out", "grad_kv", "grad_score", "grad_ape")):
-                _bitwise(a, b, f"run-to-run {name}")
+                assert_bitwise_equal(a, b, f"run-to-run {name}")
     finally:
         host.set_key(default, False)
 
@@ -175,8 +164,8 @@ def test_nan_inf_like_reference(coff):
     ref_out = eager_region(*pack.args())
     rkv, rs, rape = _reference_grads(pack, grad_out)
     _forward_like_reference(out, ref_out, spec, "forward")
-    _bitwise(gkv, rkv, "grad_kv")
-    _bitwise(gs, rs, "grad_score")
+    assert_bitwise_equal(gkv, rkv, "grad_kv")
+    assert_bitwise_equal(gs, rs, "grad_score")
     assert torch.equal(torch.isnan(gape), torch.isnan(rape))
     assert torch.equal(torch.isinf(gape), torch.isinf(rape))
 
@@ -198,8 +187,8 @@ def test_misaligned_views_fall_back_to_copies():
     gkv, gs, _ = host.run_backward(grad_out, *args)
     _forward_like_reference(out, eager_region(*pack.args()), spec, "forward")
     rkv, rs, _ = _reference_grads(pack, grad_out)
-    _bitwise(gkv, rkv, "grad_kv")
-    _bitwise(gs, rs, "grad_score")
+    assert_bitwise_equal(gkv, rkv, "grad_kv")
+    assert_bitwise_equal(gs, rs, "grad_score")
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -234,7 +223,7 @@ def test_capacity_smaller_than_true_count_drops_rows():
     gkv, _, _ = host.run_backward(grad_out, *args)
     padded = torch.cat([grad_out, torch.zeros_like(full[rows:])])
     rkv, _, _ = _reference_grads(pack, padded)
-    _bitwise(gkv, rkv, "grad_kv truncated")  # dropped rows feed nothing: same as zero grads
+    assert_bitwise_equal(gkv, rkv, "grad_kv truncated")  # dropped rows feed nothing: same as zero grads
 
 
 def test_graph_capture_needs_precompile_and_replays():
@@ -263,8 +252,8 @@ def test_graph_capture_needs_precompile_and_replays():
     _forward_like_reference(out, eager_region(*pack.args()), spec,
                             "graph forward")
     rkv, rs, rape = _reference_grads(pack, grad_out)
-    _bitwise(gkv, rkv, "graph grad_kv")
-    _bitwise(gs, rs, "graph grad_score")
+    assert_bitwise_equal(gkv, rkv, "graph grad_kv")
+    assert_bitwise_equal(gs, rs, "graph grad_score")
     torch.testing.assert_close(gape, rape, atol=1e-3, rtol=1e-3)
 
 
@@ -278,7 +267,7 @@ def test_exp_matches_torch_over_many_arguments():
     pack.score.view(-1, 2, 64)[:, 1] = 0.0
     pack.ape.zero_()
     out = host.run_forward(*pack.tensors(), 2, 1, spec.capacity)
-    _bitwise(out, eager_region(*pack.args()), "exp-dominated forward")
+    assert_bitwise_equal(out, eager_region(*pack.args()), "exp-dominated forward")
 
 
 @pytest.mark.parametrize("scale", (30.0, 90.0))
@@ -291,10 +280,10 @@ def test_division_and_exp_over_wide_logit_ranges(scale):
     pack.score.copy_(-scale * torch.rand(pack.score.shape, device="cuda", generator=gen))
     grad_out = _grad_out(spec, torch.float32)
     out, gkv, gs, _ = _run(pack, grad_out)
-    _bitwise(out, eager_region(*pack.args()), "forward")
+    assert_bitwise_equal(out, eager_region(*pack.args()), "forward")
     rkv, rs, _ = _reference_grads(pack, grad_out)
-    _bitwise(gkv, rkv, "grad_kv")
-    _bitwise(gs, rs, "grad_score")
+    assert_bitwise_equal(gkv, rkv, "grad_kv")
+    assert_bitwise_equal(gs, rs, "grad_score")
 
 
 @pytest.mark.parametrize("scale", (1.0, 30.0, 90.0))
