@@ -8,7 +8,7 @@ Forward: one pass, padding and invalid rows written as zeros; bf16 takes a certi
 softmax (_output_fast) with the exact one as the fallback of the columns it cannot certify.
 Backward: a grid-stride loop over "slots"; slot i is row i (its window's grads, disjoint
 stores) plus token chunk [i*ratio, (i+1)*ratio), whose never-consumed elements it zeroes.
-grad_ape: per-thread fp32 partials in registers, a fixed-order CTA reduction to one partial
+grad_ape: per-thread fp32 partials in shared memory, a fixed-order CTA reduction to one partial
 per CTA in the workspace, then reduce.py's fixed-order sum over the CTAs.
 """
 
@@ -36,11 +36,6 @@ _BALANCED_SMEM = 228 * 1024 // (CTAS_PER_SM + 1) + 1024
 _SUM_SPLIT = 32  # grad_ape sum: warps per CTA, each summing every 32nd CTA partial
 
 
-# Largest magnitude that rounds to zero in each gradient dtype (half its smallest subnormal;
-# the tie rounds to the even zero).
-_ZERO_ROUNDING = {"bfloat16": 2.0**-134, "float16": 2.0**-25, "float32": 0.0}
-
-
 class _Geometry(Geometry):
     """The CTA shape plus what the device code derives from the key at trace time."""
 
@@ -59,8 +54,6 @@ class _Geometry(Geometry):
         self.cert_mag = step * 2.0**-24 * (4 * self.W + 40)
         self.cert_mag_d = step * 2.0**-24 * 6
         self.cert_flush = step * 2.0**-126
-        # The largest gradient magnitude that rounds to zero in the dtype (see _scattered).
-        self.zero_rounding = _ZERO_ROUNDING[key.dtype]
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
@@ -414,6 +407,7 @@ def _build_backward(key: KernelKey):
                 if cutlass.const_expr(g.entries[k][3]):
                     gl = cm.pick(first, Float32(0.0), gl)  # invalid entries feed no ape grad
                 rGL[i, k] = gl
+        # After every column: the partials then update a vector at a time (same sums).
         for k in cutlass.range_constexpr(g.W):
             rA = cute.make_rmem_tensor((g.V,), Float32)
             cute.autovec_copy(sAcc[(None, k), tid], rA)
@@ -437,7 +431,8 @@ def _build_backward(key: KernelKey):
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, _ape_layout(g), 16)
-        # Thread-major partials: conflict-free, and each thread owns its column of them.
+        # Each thread owns W vectors of V partials (one per window entry), contiguous, so
+        # a row adds into them with one 8- or 16-byte access per entry, conflict-free.
         sAcc = smem.allocate_tensor(Float32, cute.make_layout(
             ((g.V, g.W), g.threads), stride=((1, g.threads * g.V), g.V)), 16)
         for j in cutlass.range(g.W * g.V):
