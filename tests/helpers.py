@@ -200,6 +200,34 @@ def cancel_in_pairs(kv: torch.Tensor, score: torch.Tensor) -> None:
     score[1::2] = 2.0**-9
 
 
+def cancel_near_threshold(pack: Pack, seed: int) -> torch.Tensor:
+    """Makes every output column cancel to a chosen degree, in place, and returns the
+    degrees reached: (rows, d) fp64 |out| / sum(p|v|) of the eager region. Logits are
+    uniform in [-1, 0] (ape zero) and each window's last entry (the row's own last token,
+    column half coff-1) is set so that the ratio would be log-uniform in [1e-4, 1e-1]
+    before its rounding to kv's dtype: a range across the fast forwards' certificates
+    (about 2e-3 at window 8 in bf16), where a column's path flips between fast and exact."""
+    spec, kv = pack.spec, pack.kv
+    gen = torch.Generator(device=kv.device).manual_seed(seed)
+    pack.ape.zero_()
+    pack.score.copy_(-torch.rand(pack.score.shape, device=kv.device, generator=gen))
+    token, _ = _window_tokens(pack.cu_seqlens, spec.ratio, spec.coff)
+    sg, kvg = region_windows(*pack.tensors(), spec.ratio, spec.coff)
+    p, v = torch.softmax(sg.double(), dim=1), kvg.double()
+    partial = (p[:, :-1] * v[:, :-1]).sum(1)
+    mag = (p[:, :-1] * v[:, :-1].abs()).sum(1)
+    shape = partial.shape
+    degree = 10.0 ** (-4 + 3 * torch.rand(shape, device=kv.device, generator=gen,
+                                          dtype=torch.float64))
+    sign = torch.where(torch.rand(shape, device=kv.device, generator=gen) < 0.5, -1.0, 1.0)
+    last = (sign * degree * mag - partial) / p[:, -1]
+    halves = kv.view(kv.shape[0], spec.coff, spec.head_dim)
+    halves[token[:, -1].to(kv.device), spec.coff - 1] = last.to(kv.dtype)
+    sg, kvg = region_windows(*pack.tensors(), spec.ratio, spec.coff)
+    p, v = torch.softmax(sg.double(), dim=1), kvg.double()
+    return (p * v).sum(1).abs() / (p * v.abs()).sum(1)
+
+
 def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
                  total_comp=None):
     """SPEC 3: w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1) over region_windows,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step, bits,
-                     cancel_in_pairs, eager_region, make_pack, spec_params)
+                     cancel_in_pairs, cancel_near_threshold, eager_region, make_pack, spec_params)
 
 from csa_ops import host, reference
 from csa_ops.kernels import streaming_plan, torch_order
@@ -361,3 +361,20 @@ def test_mixed_column_vectors_select_per_column(spec):
     random_cols = out[rows][:, ~odd_out]
     agree = (random_cols == fast[rows][:, ~odd_out]).float().mean().item()
     assert agree >= 0.98, f"only {agree:.4f} of the random columns kept the fast value"
+
+
+@pytest.mark.parametrize("spec", spec_params((
+    PackSpec((128 * 256, 300), ratio=128, coff=1, head_dim=512, extra_rows=2),
+    PackSpec((128 * 64, 700), ratio=128, coff=2, head_dim=128))))
+def test_default_forward_near_the_certificate_threshold(spec):
+    # Columns cancelling to degrees across the certificate's threshold: every element of
+    # the default forward is the fast forward's or the exact one's, and within one rounding
+    # step of the eager region.
+    pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=23)
+    degrees = cancel_near_threshold(pack, seed=24)
+    assert int(((degrees > 1e-3) & (degrees < 1e-2)).sum()) > degrees.numel() // 5
+    args = (*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
+    out, fast, exact = (run_forward(*args, parity=p) for p in (1, 0, 2))
+    assert bool(((out == fast) | (out == exact)).all()), "an element is neither forward's"
+    assert_within_one_step(out, _region(pack), "default forward")
+    assert not torch.equal(out, exact) and not torch.equal(out, fast)

@@ -15,6 +15,7 @@ from helpers import (
     PackSpec,
     assert_bitwise_equal,
     assert_within_one_step,
+    cancel_near_threshold,
     eager_forward_backward,
     eager_region,
     make_pack,
@@ -303,3 +304,26 @@ def test_fast_forward_over_wide_logit_ranges_and_huge_values(scale, ratio, coff)
     ref = eager_region(*pack.args())
     assert torch.isfinite(ref).all()
     _forward_like_reference(out, ref, spec, "fast forward")
+
+
+@pytest.mark.parametrize("head_dim", (128, 512))
+def test_fast_forward_near_the_certificate_threshold(head_dim):
+    # Columns cancelling to degrees across the certificate's threshold: the default bf16
+    # forward stays within one rounding step of the exact path (the eager region, bit for
+    # bit) on every element, whichever path each column takes.
+    spec = PackSpec((4 * 2048, 4 * 37 + 1), ratio=4, coff=2, head_dim=head_dim, extra_rows=3)
+    default = _forward_key(spec, torch.bfloat16)
+    assert default.knobs.fast_exp
+    pack = _pack(spec, torch.bfloat16, seed=21)
+    degrees = cancel_near_threshold(pack, seed=22)
+    assert int(((degrees > 1e-3) & (degrees < 1e-2)).sum()) > degrees.numel() // 5
+    out = host.run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
+    ref = eager_region(*pack.args())
+    host.set_key(with_knobs(default, fast_exp=0), False)
+    try:
+        exact = host.run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
+    finally:
+        host.set_key(default, False)
+    assert_bitwise_equal(exact, ref, "exact forward")
+    assert_within_one_step(out, ref, "default forward")
+    assert not torch.equal(out, exact)  # some columns took the fast path
