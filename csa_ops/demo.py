@@ -34,19 +34,28 @@ def _time_ms(fn, device, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--lengths", default="1000,3,2047,517", help="segment lengths of the pack")
-    parser.add_argument("--dim", type=int, default=512)
+def add_block_options(parser: argparse.ArgumentParser, dim: int) -> None:
+    """The Compressor block's shape, shared by the demos."""
+    parser.add_argument("--dim", type=int, default=dim)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ratio", type=int, default=4)
     parser.add_argument("--coff", type=int, default=2)
+
+
+def demo_device() -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of a demo: bf16 on the GPU, fp32 on the CPU; seeds torch."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lengths", default="1000,3,2047,517", help="segment lengths of the pack")
+    add_block_options(parser, dim=512)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
+    device, dtype = demo_device()
     lengths = [int(v) for v in args.lengths.split(",")]
     cu, cuc = offsets_for(lengths, args.ratio, device)
     total_comp = int(cuc[-1]) + 8  # a static capacity with padding rows, as in a CUDA graph

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .demo import add_block_options, demo_device
 from .module import Compressor, offsets_for
 from .serving import CompressorState
 
@@ -67,15 +68,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", default="300,37,129,5,1000", help="prompt lengths")
     parser.add_argument("--decode", type=int, default=24, help="decode steps per request")
     parser.add_argument("--chunk", type=int, default=128, help="prefill chunk length")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--ratio", type=int, default=4)
-    parser.add_argument("--coff", type=int, default=2)
+    add_block_options(parser, dim=256)
     args = parser.parse_args(argv)
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
+    device, dtype = demo_device()
     prompts = [int(v) for v in args.prompts.split(",")]
     lengths = [p + args.decode for p in prompts]
     block = Compressor(args.dim, args.head_dim, args.ratio, args.coff, device=device, dtype=dtype)

@@ -190,3 +190,11 @@ def assert_rows(req: Requests, rows, assert_equal):
 
 def permuted_slots(num_requests: int, num_slots: int, seed: int) -> list:
     return random.Random(seed).sample(range(num_slots), num_requests)
+
+
+def case_id(case) -> str:
+    """Test id of an invariant case (ratio, coff, head_dim, dtype, lengths, decode_tail,
+    extra_rows)."""
+    ratio, coff, head_dim, dtype, lengths, tail, extra = case
+    return (f"r{ratio}c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}_"
+            f"L{'-'.join(map(str, lengths))}_tail{tail}_pad{extra}")

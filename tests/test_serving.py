@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from serving_helpers import (
     assert_rows,
     assert_state,
+    case_id,
     make_requests,
     permuted_slots,
     random_schedule,
@@ -51,12 +52,6 @@ CASES = [
 ]
 
 
-def _case_id(case) -> str:
-    ratio, coff, head_dim, dtype, lengths, tail, extra = case
-    return (f"r{ratio}c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}_"
-            f"L{'-'.join(map(str, lengths))}_tail{tail}_pad{extra}")
-
-
 def _check_invariant(ratio, coff, head_dim, dtype, lengths, tail, extra_rows, seed=0,
                      ape_dtype=torch.float32):
     req = make_requests(lengths, ratio, coff, head_dim, dtype, seed=seed, ape_dtype=ape_dtype)
@@ -70,7 +65,7 @@ def _check_invariant(ratio, coff, head_dim, dtype, lengths, tail, extra_rows, se
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_extend_matches_one_shot_compressor(case, seed):
     _check_invariant(*case, seed=seed)

@@ -358,21 +358,28 @@ class _Streaming:
         t0 = sT0[j]
         fl = sFl[j]
         if (fl & 1) != 0:
-            for r in cutlass.range_constexpr(self.loads):
-                q = tid + self.nt * r
-                k = q // self.cv
-                c = q % self.cv
-                colc = cb * self.cv + c
-                if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
-                    tk = t0 + k
-                    gc = (k // self.r) * self.ncv + colc
-                    ph = self._phys(c, k)
-                    self._copy(atom, gSc[(None, (tk, gc))], sTile[(None, ph, k, 0, st)])
-                    self._copy(atom, gKV[(None, (tk, gc))], sTile[(None, ph, k, 1, st)])
+            def load(tk, gc, k, ph):
+                self._copy(atom, gSc[(None, (tk, gc))], sTile[(None, ph, k, 0, st)])
+                self._copy(atom, gKV[(None, (tk, gc))], sTile[(None, ph, k, 1, st)])
+
+            self._tile_entries(tid, cb, t0, fl, num_tokens, load)
             if const_expr(self.bwd):  # noqa: SIM102 (compile-time, then run-time test)
                 if tid < self.cv and cb * self.cv + tid < self.ncv:
                     self._copy(atom, gGo[(None, (rg + j * groups, cb * self.cv + tid))],
                                sG[(None, tid, st)])
+
+    @cute.jit
+    def _tile_entries(self, tid, cb, t0, fl, num_tokens, body):
+        """body(token, global column vector, entry k, tile slot) for each window entry of
+        row (t0, fl) that this thread moves between global memory and the tile: consecutive
+        threads, consecutive column vectors (coalesced)."""
+        for r in cutlass.range_constexpr(self.loads):
+            q = tid + self.nt * r
+            k = q // self.cv
+            c = q % self.cv
+            colc = cb * self.cv + c
+            if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
+                body(t0 + k, (k // self.r) * self.ncv + colc, k, self._phys(c, k))
 
     @cute.jit
     def _copy(self, atom, src, dst):
@@ -503,17 +510,12 @@ class _Streaming:
                 self._store(sTile[(None, ph[i], kk[i], 1, st)], gv)
                 self._store(sTile[(None, ph[i], kk[i], 0, st)], gl)
             cute.arch.barrier()
-            for r in cutlass.range_constexpr(self.loads):
-                q = tid + self.nt * r
-                k = q // self.cv
-                c = q % self.cv
-                colc = cb * self.cv + c
-                if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
-                    tk = t0 + k
-                    gc = (k // self.r) * self.ncv + colc
-                    pc = self._phys(c, k)
-                    gGkv[(None, (tk, gc))].store(sTile[(None, pc, k, 1, st)].load())
-                    gGsc[(None, (tk, gc))].store(sTile[(None, pc, k, 0, st)].load())
+
+            def store(tk, gc, k, ph):
+                gGkv[(None, (tk, gc))].store(sTile[(None, ph, k, 1, st)].load())
+                gGsc[(None, (tk, gc))].store(sTile[(None, ph, k, 0, st)].load())
+
+            self._tile_entries(tid, cb, t0, fl, num_tokens, store)
 
     # ---------------------------------------------------------------- torch's order
     @cute.jit

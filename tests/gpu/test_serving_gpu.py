@@ -10,6 +10,7 @@ from helpers import assert_bitwise_equal, assert_within_one_step, cancel_in_pair
 from serving_helpers import (
     assert_rows,
     assert_state,
+    case_id,
     make_requests,
     permuted_slots,
     random_schedule,
@@ -38,13 +39,7 @@ CASES = [
 ]
 
 
-def _case_id(case) -> str:
-    ratio, coff, head_dim, dtype, lengths, _tail, extra = case
-    return (f"r{ratio}c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}_"
-            f"L{'-'.join(map(str, lengths))}_pad{extra}")
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_chunked_extend_matches_cuda_compressor(case):
     """Bitwise against the CUDA csa::compressor over whole sequences: SPEC 8's contract."""
     ratio, coff, head_dim, dtype, lengths, tail, extra_rows = case
