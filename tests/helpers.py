@@ -223,8 +223,7 @@ def cancel_near_threshold(pack: Pack, seed: int) -> torch.Tensor:
     last = (sign * degree * mag - partial) / p[:, -1]
     halves = kv.view(kv.shape[0], spec.coff, spec.head_dim)
     halves[token[:, -1].to(kv.device), spec.coff - 1] = last.to(kv.dtype)
-    sg, kvg = region_windows(*pack.tensors(), spec.ratio, spec.coff)
-    p, v = torch.softmax(sg.double(), dim=1), kvg.double()
+    v = region_windows(*pack.tensors(), spec.ratio, spec.coff)[1].double()  # same logits, p
     return (p * v).sum(1).abs() / (p * v.abs()).sum(1)
 
 

@@ -51,16 +51,12 @@ def fma_rn(a: Float32, b: Float32, c: Float32) -> Float32:
     return cute.math.fma(a, b, c, rounding=_RN)
 
 
-# torch's CUDA reduction kernel gives each thread this many accumulators (its vt0).
-TORCH_SUM_ACCUMULATORS = torch_order.ACCUMULATORS
-
-
 def torch_sum(terms: list) -> Float32:
     """sum(terms) in the order torch's CUDA sum over a short, non-innermost dimension uses
-    (one thread per output, TORCH_SUM_ACCUMULATORS accumulators from +0, term k into
+    (one thread per output, torch_order.ACCUMULATORS accumulators from +0, term k into
     accumulator k % 4 in passes of four, then ((a0 + a1) + a2) + a3). Trace-time Python: the
     terms are unrolled values."""
-    n = TORCH_SUM_ACCUMULATORS
+    n = torch_order.ACCUMULATORS
     acc = [Float32(0.0)] * n
     for k, term in enumerate(terms):
         acc[k % n] = add_rn(acc[k % n], term)

@@ -558,12 +558,12 @@ class _Streaming:
             sw[i * 32 + lane] = cm.mul_rn(kv[i], cm.div_rn(e[i], s))
         cute.arch.sync_warp()
         split = self.sum_split
-        acc = self._chains(sw, cm.TORCH_SUM_ACCUMULATORS * split, lane)
+        acc = self._chains(sw, torch_order.ACCUMULATORS * split, lane)
         cute.arch.sync_warp()  # the scratch is free for the next column
         # Thread y's accumulators (chains y + split * a) in order, then the threads' tree.
         y = lane % split
         total = Float32(0.0)
-        for a in cutlass.range_constexpr(cm.TORCH_SUM_ACCUMULATORS):
+        for a in cutlass.range_constexpr(torch_order.ACCUMULATORS):
             part = cute.arch.shuffle_sync(acc[(split * a) // 32], offset=(y + split * a) % 32)
             if const_expr(a == 0):
                 total = part

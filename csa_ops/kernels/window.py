@@ -407,7 +407,8 @@ def _build_backward(key: KernelKey):
                 if cutlass.const_expr(g.entries[k][3]):
                     gl = cm.pick(first, Float32(0.0), gl)  # invalid entries feed no ape grad
                 rGL[i, k] = gl
-        # After every column: the partials then update a vector at a time (same sums).
+        # Once all V columns are done, each entry's V partials update in one vector access
+        # (every partial adds the same values in the same order as one at a time).
         for k in cutlass.range_constexpr(g.W):
             rA = cute.make_rmem_tensor((g.V,), Float32)
             cute.autovec_copy(sAcc[(None, k), tid], rA)

@@ -4,7 +4,8 @@ grad_kv / grad_score must match torch's eager autograd of the formula bit for bi
 reference mirrors torch's CPU operation order, which differs from its CUDA one in rare last
 bits), the forward the eager region within one output rounding step
 (bit for bit on its exact path: fp16, fp32 and the fast_exp=0 knob), every output element
-must be written (outputs are poisoned with NaN first), and nothing may depend on the run. Calls csa_ops.host directly so a failure names the kernel, not the op.
+must be written (outputs are poisoned with NaN first), and nothing may depend on the run.
+Calls csa_ops.host directly so a failure names the kernel, not the op.
 """
 
 from __future__ import annotations
@@ -224,7 +225,8 @@ def test_capacity_smaller_than_true_count_drops_rows():
     gkv, _, _ = host.run_backward(grad_out, *args)
     padded = torch.cat([grad_out, torch.zeros_like(full[rows:])])
     rkv, _, _ = _reference_grads(pack, padded)
-    assert_bitwise_equal(gkv, rkv, "grad_kv truncated")  # dropped rows feed nothing: same as zero grads
+    # Dropped rows feed nothing: the same as zero gradients.
+    assert_bitwise_equal(gkv, rkv, "grad_kv truncated")
 
 
 def test_graph_capture_needs_precompile_and_replays():
