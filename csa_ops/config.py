@@ -71,6 +71,10 @@ class WindowKnobs(_Knobs):
     # csa::compressor_extend only: one-token requests load their state update before the
     # row scan (kernels/extend.py). It costs registers: only the decode-sized key sets it.
     preload_decode: bool = False
+    # csa::compressor_extend only: a request's item pools all of its rows and the grid has
+    # no row items (kernels/extend.py). For calls of one token per request (decode steps),
+    # whose rows their requests' items pool anyway: half the CTAs, no row placement.
+    request_rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -595,7 +595,8 @@ def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> Non
 # csa::compressor_extend (SPEC 8): one kernel, compiled from the forward's register-window key
 
 
-def extend_problem(kv: torch.Tensor, ratio: int, coff: int) -> Problem | None:
+def extend_problem(kv: torch.Tensor, ratio: int, coff: int,
+                   num_requests: int) -> Problem | None:
     """The extend kernel's problem of a validated call (the forward's key, launched with the
     knobs of the call's size class: the key's flags fix the rows' bits), None when the
     reference runs it: no register-window forward key for this device and shape."""
@@ -606,7 +607,7 @@ def extend_problem(kv: torch.Tensor, ratio: int, coff: int) -> Problem | None:
     found = _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, "fwd")
     if found is None or not extend_plan.supports(found.key):
         return None
-    size = extend_plan.size_class(kv.shape[0])
+    size = extend_plan.size_class(kv.shape[0], num_requests)
     problem = _EXTEND.get((found, size))
     if problem is None:
         problem = found._replace(key=extend_plan.for_size(found.key, size))

@@ -178,7 +178,7 @@ def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp)
     check_arguments(*args, ratio, coff, total_comp)
     kv, _, _, _, start_pos, _, kv_state, _ = args
     host = dispatch.launch_path(_PREPARED)
-    problem = host.extend_problem(kv, ratio, coff)
+    problem = host.extend_problem(kv, ratio, coff, start_pos.shape[0])
 
     def reference(*tensors):
         kv, score, ape = (t.contiguous() for t in tensors[:3])

@@ -88,6 +88,20 @@ def test_preloaded_decode_updates_add_only_the_token_logits(cfg):
     assert "ld.local" not in with_preload and "st.local" not in with_preload
 
 
+@pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16")],
+                         ids=("r4c2", "r4c1"))
+def test_decode_step_keys_pool_with_the_same_operations(cfg):
+    # A decode-step key's requests pool their rows past coff with the row items' code (the
+    # forward's): against the same key with row items, the same operations, no more.
+    for step in (extend_plan.for_size(extend_plan.configure(*cfg, "sm_90a"), size)
+                 for size in extend_plan.STEPS):
+        assert step.knobs.request_rows
+        own, general = host.ptx("ext", step), host.ptx("ext", with_knobs(step, request_rows=0))
+        for op in (*_POOL_OPS, "add.rn.f32"):
+            assert len(re.findall(op, own)) == len(re.findall(op, general)), op
+        assert "ld.local" not in own and "st.local" not in own
+
+
 @pytest.mark.parametrize("cfg", [(128, 1, 512, "bfloat16"), (128, 2, 512, "bfloat16")],
                          ids=("r128c1", "r128c2"))
 def test_streaming_rows_pool_with_the_forward_operations(cfg):
@@ -156,15 +170,33 @@ def test_argument_table_of_the_extend_kernel():
 
 def test_call_size_classes_pick_the_measured_launch_shapes():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
-    assert [extend_plan.size_class(n) for n in (0, 1, 256, 257, 2048, 2049, 10**6)] == \
-        [0, 0, 0, 1, 1, 2, 2]
+    sizes = (0, 1, 256, 257, 2048, 2049, 10**6)
+    assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 2, 2]
+    # As many tokens as requests: decode steps, whatever the size.
+    small_step, large_step = extend_plan.STEPS
+    assert [extend_plan.size_class(n, n) for n in sizes] == \
+        [small_step] * 3 + [large_step] * 4
     decode, mid, prefill = (extend_plan.for_size(forward, size) for size in range(3))
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
     assert decode.knobs.preload_decode and not (mid.knobs.preload_decode or
                                                 forward.knobs.preload_decode)
     assert (mid.knobs.vec, mid.knobs.threads) == (forward.knobs.vec, 256)
     assert prefill == forward
-    assert extend_plan.keys(forward) == (decode, mid, prefill)
+    steps = tuple(extend_plan.for_size(forward, size) for size in extend_plan.STEPS)
+    assert steps == tuple(with_knobs(k, request_rows=True) for k in (decode, mid))
+    assert not any(k.knobs.request_rows for k in (decode, mid, prefill))
+    assert extend_plan.keys(forward) == (decode, mid, prefill, *steps)
     for key in extend_plan.keys(forward):  # only launch knobs differ from the forward's
         assert dataclasses.replace(key, knobs=forward.knobs) == forward
         assert extend_plan.supports(key)
+
+
+def test_requests_pool_their_own_rows_in_decode_step_grids():
+    """request_rows keys launch one item per request (no row items), at least one CTA."""
+    forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
+    step = extend_plan.for_size(forward, extend_plan.STEPS[0])
+    rpc = window_plan.geometry(step).rpc
+    assert extend_plan.plan(step, 256, 256, 132).grid == -(-256 // rpc)
+    assert extend_plan.plan(step, 0, 7, 132).grid == 1
+    general = extend_plan.for_size(forward, 0)
+    assert extend_plan.plan(general, 256, 256, 132).grid == -(-512 // rpc)

@@ -2,8 +2,10 @@
 and every request's new state, in one launch.
 
 Work items: per request, its state and its first min(rows, coff) rows (the only rows that
-read the state); then one per output row (windows of new tokens only; padding: zeros). A
-CTA holds `rpc` items x `cvc` column vectors of one column chunk (the forward's Geometry).
+read the state); then one per output row (windows of new tokens only; padding: zeros). With
+the `request_rows` knob (decode steps) a request's item pools all of its rows and the items
+zero the padding rows: no row items. A CTA holds `rpc` items x `cvc` column vectors of one
+column chunk (the forward's Geometry).
 Columns are independent, so one thread owns a request's state and state-reading rows in its
 columns and reads before it writes, in program order: no barrier, no other thread involved.
 Every CTA first scans the batch's row counts to place its items' output rows. Rows pool
@@ -205,6 +207,7 @@ def _build(key: KernelKey):
     # stands between a decode request's row and its update. Up to DECODE_MOVED entries.
     moved = R - 1 if C == 2 and R - 1 <= DECODE_MOVED else 0
     preload = key.knobs.preload_decode
+    request_rows = key.knobs.request_rows
 
     def is_decode(ok, start, length, heads):
         """A one-token request whose new state starts at a position >= 0 (no initial-state
@@ -259,6 +262,28 @@ def _build(key: KernelKey):
                     cute.autovec_copy(rKV[None, R + e], cute.make_tensor(p_kvs + off, V))
                     cute.autovec_copy(rL[None, R + e], cute.make_tensor(p_ss + off, V))
 
+    def later_rows(base, rows, num_rows):
+        """[lo, hi): the output rows base + h, h in [coff, rows), that lie in [0, num_rows)
+        (bounds in int64: garbage row counts must not wrap into range)."""
+        lo = cutlass.max(Int64(base) + C, Int64(0))
+        hi = cutlass.min(Int64(base) + Int64(rows), Int64(num_rows))
+        return Int32(cutlass.min(lo, hi)), Int32(hi)
+
+    @cute.jit
+    def pool_later_rows(p_kv, p_score, p_out, sApe, base, rows, q0, start, tok0, num_rows, cv,
+                        cvl):
+        """A request's rows past its first coff (request_rows), one after another: their
+        windows lie in the new tokens, so the forward's row code pools them."""
+        lo, hi = later_rows(base, rows, num_rows)
+        for n in cutlass.range(lo, hi, unroll=1):
+            q = q0 + (n - base)
+            body_row(p_kv, p_score, p_out, sApe, n, q, tok0 + (q * R - start), cv, cvl)
+
+    @cute.jit
+    def zero_rows(p_out, lo, hi, step, cv):
+        for n in cutlass.range(lo, hi, step):
+            zero_row(p_out, n, cv)
+
     @cute.kernel
     def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
                num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
@@ -293,6 +318,7 @@ def _build(key: KernelKey):
         length = Int32(0)
         slot = Int32(0)
         heads = Int32(0)
+        rows = Int32(0)
         decode = cutlass.Boolean(False)
         rNK = cute.make_rmem_tensor((V, C), g.dtype)
         rNS = cute.make_rmem_tensor((V, C), g.dtype)
@@ -338,10 +364,11 @@ def _build(key: KernelKey):
                 cuc[b] = running
             if b >= item0 and b < item0 + g.rpc:
                 sBase[b - item0] = running
-            for n in cutlass.range(cutlass.max(running, row_lo),
-                                   cutlass.min(running + rows_b, row_hi)):
-                sReq[n + num_reqs - item0] = b
-                sBase[n + num_reqs - item0] = running
+            if cutlass.const_expr(not request_rows):
+                for n in cutlass.range(cutlass.max(running, row_lo),
+                                       cutlass.min(running + rows_b, row_hi)):
+                    sReq[n + num_reqs - item0] = b
+                    sBase[n + num_reqs - item0] = running
             running = running + rows_b
         if bid == 0 and tid == 0:
             cuc[num_reqs] = total
@@ -366,11 +393,22 @@ def _build(key: KernelKey):
                     else:
                         update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start,
                                      start + length, slot, cv, cvl)
+                    if cutlass.const_expr(request_rows):  # after the update: no state read
+                        pool_later_rows(p_kv, p_score, p_out, sApe, base, rows, q0, start, tok0,
+                                        num_rows, cv, cvl)
                 else:
                     for h in cutlass.range_constexpr(C):
                         if h < heads and base + h >= 0 and base + h < num_rows:
                             zero_row(p_out, base + h, cv)
-            else:
+                    if cutlass.const_expr(request_rows):
+                        lo, hi = later_rows(base, rows, num_rows)
+                        zero_rows(p_out, lo, hi, Int32(1), cv)
+            if cutlass.const_expr(request_rows):
+                # Padding rows [total, num_rows), strided over the grid's item slots.
+                pad0 = cutlass.min(cutlass.max(total, Int32(0)), num_rows)
+                zero_rows(p_out, pad0 + item, num_rows, cute.arch.grid_dim()[0] // g.ny * g.rpc,
+                          cv)
+            elif item >= num_reqs:
                 n = item - num_reqs
                 if n < num_rows:
                     b = sReq[ry]

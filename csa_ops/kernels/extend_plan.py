@@ -39,11 +39,21 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # Decode-sized calls also preload one-token requests' state updates (kernel time at batch
 # 64 / 256: 2.78 / 5.16 us against 3.10 / 5.49); at the mid and prefill keys the registers
 # it costs (142 / 146 against 122 / 118) made batch 1024 25.0 us and prefill 19.4.
+# Decode steps (as many new tokens as requests) let each request pool its own rows
+# (request_rows): no row items. Graph replay, interleaved in one process: batch 256 5.04
+# us against 5.41 (kernel time 4.58 against 5.10), batch 512 with vec 4 / 256 threads 8.60
+# against 10.07, batch 1024 15.7 against 17.9 (the mid key); batch 1 and 64 within the
+# runs' spread (2.93 / 3.30 against 2.94 / 3.10); vec 4 / 256 threads loses below 512.
 SIZE_LIMITS = (256, 2048)  # new tokens: the largest call of each size class but the last
+SIZES = len(SIZE_LIMITS) + 1
+STEPS = (SIZES, SIZES + 1)  # decode steps of at most SIZE_LIMITS[0] new tokens, and larger
 
 
-def size_class(num_tokens: int) -> int:
-    """0: decode-sized calls, 1: mid-sized, 2: prefill-sized."""
+def size_class(num_tokens: int, num_requests: int) -> int:
+    """0: decode-sized calls, 1: mid-sized, 2: prefill-sized; STEPS: decode steps (as many
+    new tokens as requests), up to SIZE_LIMITS[0] new tokens and larger."""
+    if num_tokens == num_requests:
+        return STEPS[num_tokens > SIZE_LIMITS[0]]
     return sum(num_tokens > limit for limit in SIZE_LIMITS)
 
 
@@ -52,6 +62,10 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
     itself, whatever the size)."""
     if key.family == "streaming":
         return key
+    if size in STEPS:
+        # Each request pools its own rows (rows past coff one after another, should a call
+        # with as many tokens as requests give one request several).
+        return with_knobs(for_size(key, STEPS.index(size)), request_rows=True)
     if size == 0:
         return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, preload_decode=True)
     if size == 1:
@@ -61,7 +75,7 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
 
 def keys(key: KernelKey) -> tuple[KernelKey, ...]:
     """Every extend key calls of forward key `key` may launch (precompile builds them all)."""
-    return tuple(dict.fromkeys(for_size(key, size) for size in range(len(SIZE_LIMITS) + 1)))
+    return tuple(dict.fromkeys(for_size(key, size) for size in range(SIZES + len(STEPS))))
 
 
 def supports(key: KernelKey) -> bool:
@@ -70,12 +84,14 @@ def supports(key: KernelKey) -> bool:
 
 def plan(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
     """Register windows: one CTA per `rpc` work items (each request's state, then each
-    output row) and column chunk; at least one CTA, which writes cu_seqlens_comp. Streaming:
+    output row unless the key's requests pool their own rows) and column chunk; at least one
+    CTA, which writes cu_seqlens_comp. Streaming:
     streaming_plan.plan_extend."""
     if key.family == "streaming":
         return streaming_plan.plan_extend(key, num_requests, num_rows, num_sms)
     g = window_plan.geometry(key)
-    return LaunchPlan(grid=max(1, -(-(num_requests + num_rows) // g.rpc)))
+    items = num_requests if key.knobs.request_rows else num_requests + num_rows
+    return LaunchPlan(grid=max(1, -(-items // g.rpc)))
 
 
 def launch_entry(key: KernelKey):

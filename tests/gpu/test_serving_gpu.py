@@ -4,6 +4,8 @@ a decode step in a CUDA graph, no host sync, and memory safety for any slots and
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from helpers import assert_bitwise_equal, assert_within_one_step, cancel_in_pairs
@@ -65,6 +67,38 @@ def test_decode_batch_with_a_long_piece_and_padding(ratio, coff):
     slot_of = permuted_slots(len(lengths), len(lengths) + 3, 4)
     state = CompressorState(len(lengths) + 3, ratio, coff, 128, torch.bfloat16, "cuda")
     rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=300)
+    assert consumed == lengths
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1), (2, 2)])
+def test_one_token_per_request_calls_with_uneven_pieces(ratio, coff):
+    """Calls with as many new tokens as requests take the decode-step kernel, in which each
+    request pools all of its rows: pieces of 0, 1 and many tokens (rows past coff, pooled one
+    after another), then padding rows, which that kernel's items zero."""
+    from csa_ops import host
+
+    rng = random.Random(11)
+    num_requests, head_dim = 12, 128
+    lengths = [8 * num_requests] * num_requests
+    req = make_requests(lengths, ratio, coff, head_dim, torch.bfloat16, device="cuda", seed=6)
+    one_each = req.kv[0][:num_requests]  # a call's kv: as many tokens as requests
+    assert host.extend_problem(one_each, ratio, coff, num_requests).key.knobs.request_rows
+    schedule = [[(i, 0) for i in range(num_requests - 1)] + [(num_requests - 1, num_requests)],
+                [(i, 1) for i in range(num_requests)]]
+    consumed = [1] * (num_requests - 1) + [num_requests + 1]  # after the first two steps
+    for _ in range(5):  # random compositions of k tokens into k pieces
+        members = rng.sample(range(num_requests), rng.randint(1, num_requests))
+        cuts = sorted(rng.randint(0, len(members)) for _ in range(len(members) - 1))
+        pieces = [b - a for a, b in zip([0, *cuts], [*cuts, len(members)])]
+        schedule.append(list(zip(members, pieces)))
+        for i, piece in zip(members, pieces):
+            consumed[i] += piece
+    schedule.append([(i, n - c) for i, (n, c) in enumerate(zip(lengths, consumed))])
+    slot_of = permuted_slots(num_requests, num_requests + 4, 6)
+    state = CompressorState(num_requests + 4, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=5)
     assert consumed == lengths
     assert_rows(req, rows, assert_bitwise_equal)
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
@@ -205,7 +239,7 @@ def test_configs_run_the_extend_kernel(ratio, coff, head_dim):
 
     batch, num_slots = 4, 8
     tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, num_slots, 1)
-    problem = host.extend_problem(tokens[0][0], ratio, coff)
+    problem = host.extend_problem(tokens[0][0], ratio, coff, batch)
     assert problem is not None
     assert problem.key.family == ("streaming" if ratio * coff > 32 else "window")
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
