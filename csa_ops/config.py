@@ -73,7 +73,7 @@ class WindowKnobs(_Knobs):
     preload_decode: bool = False
     # csa::compressor_extend only: a request's item pools all of its rows and the grid has
     # no row items (kernels/extend.py). For calls of one token per request (decode steps),
-    # whose rows their requests' items pool anyway: half the CTAs, no row placement.
+    # whose rows their requests' items pool anyway: half the CTAs, no batch scan.
     request_rows: bool = False
 
 

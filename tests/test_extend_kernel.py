@@ -57,18 +57,23 @@ _POOL_OPS = ("ex2.approx", "fma.rn.f32", "fma.rm.f32", r"\tmul.f32", r"\tadd.f32
 @pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16"),
                                  (4, 2, 128, "float16")], ids=("r4c2_bf16", "r4c1", "fp16"))
 def test_rows_pool_with_the_forward_operations(cfg):
-    # The kernel pools at one site per head row (coff of them: they may read the state) and
-    # one for rows of new tokens; each must compile to the forward's per-row operations,
-    # no more and no fewer (a folded select, say, would let an FMA contract). The only
-    # other float arithmetic is the state's logits: one add per entry, half and column.
-    key = extend_plan.configure(*cfg, "sm_90a")
-    ext, fwd = host.ptx("ext", key), host.ptx("fwd", key)
-    sites = key.coff + 1
-    for op in _POOL_OPS:
-        assert len(re.findall(op, ext)) == sites * len(re.findall(op, fwd)), op
-    state_logits = key.window * key.coff * key.knobs.vec
-    assert ext.count("add.rn.f32") == sites * fwd.count("add.rn.f32") + state_logits
-    assert "ld.local" not in ext and "st.local" not in ext
+    # Every extend key pools at coff + 1 sites: one per head row (they may read the state)
+    # and one for rows of new tokens (row items, or a request's rows past coff); each must
+    # compile to the forward's per-row operations at the key's vector width, no more and no
+    # fewer (a folded select, say, would let an FMA contract). The only other float
+    # arithmetic is the logits' adds (one rounding each), counted exactly on the forward-knob
+    # key: the state's, one per entry, half and column.
+    forward = extend_plan.configure(*cfg, "sm_90a")
+    sites = forward.coff + 1
+    for key in extend_plan.keys(forward):
+        ext = host.ptx("ext", key)
+        fwd = host.ptx("fwd", with_knobs(forward, vec=key.knobs.vec, threads=key.knobs.threads))
+        for op in _POOL_OPS:
+            assert len(re.findall(op, ext)) == sites * len(re.findall(op, fwd)), (key, op)
+        assert "ld.local" not in ext and "st.local" not in ext
+        if key == forward:
+            state_logits = key.window * key.coff * key.knobs.vec
+            assert ext.count("add.rn.f32") == sites * fwd.count("add.rn.f32") + state_logits
 
 
 @pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16")],
@@ -86,20 +91,6 @@ def test_preloaded_decode_updates_add_only_the_token_logits(cfg):
     extra = decode.coff * decode.knobs.vec
     assert with_preload.count("add.rn.f32") == without.count("add.rn.f32") + extra
     assert "ld.local" not in with_preload and "st.local" not in with_preload
-
-
-@pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16")],
-                         ids=("r4c2", "r4c1"))
-def test_decode_step_keys_pool_with_the_same_operations(cfg):
-    # A decode-step key's requests pool their rows past coff with the row items' code (the
-    # forward's): against the same key with row items, the same operations, no more.
-    for step in (extend_plan.for_size(extend_plan.configure(*cfg, "sm_90a"), size)
-                 for size in extend_plan.STEPS):
-        assert step.knobs.request_rows
-        own, general = host.ptx("ext", step), host.ptx("ext", with_knobs(step, request_rows=0))
-        for op in (*_POOL_OPS, "add.rn.f32"):
-            assert len(re.findall(op, own)) == len(re.findall(op, general)), op
-        assert "ld.local" not in own and "st.local" not in own
 
 
 @pytest.mark.parametrize("cfg", [(128, 1, 512, "bfloat16"), (128, 2, 512, "bfloat16")],
@@ -172,20 +163,18 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
     sizes = (0, 1, 256, 257, 2048, 2049, 10**6)
     assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 2, 2]
-    # As many tokens as requests: decode steps, whatever the size.
-    small_step, large_step = extend_plan.STEPS
-    assert [extend_plan.size_class(n, n) for n in sizes] == \
-        [small_step] * 3 + [large_step] * 4
+    # As many tokens as requests: a decode step, whatever the size.
+    assert {extend_plan.size_class(n, n) for n in sizes} == {extend_plan.STEP}
     decode, mid, prefill = (extend_plan.for_size(forward, size) for size in range(3))
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
     assert decode.knobs.preload_decode and not (mid.knobs.preload_decode or
                                                 forward.knobs.preload_decode)
     assert (mid.knobs.vec, mid.knobs.threads) == (forward.knobs.vec, 256)
     assert prefill == forward
-    steps = tuple(extend_plan.for_size(forward, size) for size in extend_plan.STEPS)
-    assert steps == tuple(with_knobs(k, request_rows=True) for k in (decode, mid))
-    assert not any(k.knobs.request_rows for k in (decode, mid, prefill))
-    assert extend_plan.keys(forward) == (decode, mid, prefill, *steps)
+    step = extend_plan.for_size(forward, extend_plan.STEP)
+    assert step == with_knobs(decode, request_rows=True)
+    assert not any(key.knobs.request_rows for key in (decode, mid, prefill))
+    assert extend_plan.keys(forward) == (decode, mid, prefill, step)
     for key in extend_plan.keys(forward):  # only launch knobs differ from the forward's
         assert dataclasses.replace(key, knobs=forward.knobs) == forward
         assert extend_plan.supports(key)
@@ -194,7 +183,7 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
 def test_requests_pool_their_own_rows_in_decode_step_grids():
     """request_rows keys launch one item per request (no row items), at least one CTA."""
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
-    step = extend_plan.for_size(forward, extend_plan.STEPS[0])
+    step = extend_plan.for_size(forward, extend_plan.STEP)
     rpc = window_plan.geometry(step).rpc
     assert extend_plan.plan(step, 256, 256, 132).grid == -(-256 // rpc)
     assert extend_plan.plan(step, 0, 7, 132).grid == 1

@@ -8,7 +8,8 @@ zero the padding rows: no row items. A CTA holds `rpc` items x `cvc` column vect
 column chunk (the forward's Geometry).
 Columns are independent, so one thread owns a request's state and state-reading rows in its
 columns and reads before it writes, in program order: no barrier, no other thread involved.
-Every CTA first scans the batch's row counts to place its items' output rows. Rows pool
+Every CTA first scans the batch's row counts to place its items' output rows (with
+request_rows: sums the rows before its requests and in all). Rows pool
 through window.py's per-column softmax with the forward key's flags: bit-identical rows.
 """
 
@@ -46,7 +47,7 @@ def _build(key: KernelKey):
     batch = requests.Batch(R, nt)
     group = max(1, min(W, 32 // (C * V)))  # state entries loaded before any is stored
     load_window, _, _ = window._window_io(g)
-    smem_bytes = (W * g.cvc * V + 2 * g.rpc + warps) * 4 + 64
+    smem_bytes = (W * g.cvc * V + 2 * g.rpc + 2 * warps) * 4 + 64
 
     def slot_offset(slot, cv):
         """Element offset of column vector cv in entry 0 of a state slot."""
@@ -305,7 +306,7 @@ def _build(key: KernelKey):
         sApe = smem.allocate_tensor(Float32, window._ape_layout(g), 16)
         sReq = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
-        sWarp = smem.allocate_tensor(Int32, cute.make_layout(warps), 4)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(2 * warps), 4)
         active = tid < g.threads and (not g.ragged_cols or cv < g.tpr)
 
         # A request's first row issues its window loads before the scan (latency).
@@ -348,35 +349,55 @@ def _build(key: KernelKey):
                 dst = cute.assume(k * (g.cvc * V) + c * V, divby=V)
                 cute.autovec_copy(cute.make_tensor(p_ape + src, V),
                                   cute.make_tensor(sApe.iterator + dst, V))
-        if tid < g.rpc:
-            sReq[tid] = Int32(-1)
+        own_base = Int32(0)
+        total = Int32(0)
+        if cutlass.const_expr(request_rows):
+            # Each request pools its own rows: the CTA needs the rows before its first
+            # request and the batch's total, two sums, not a scan and a placement.
+            sRows = sReq  # no row items: the items' own row counts (0 past the batch)
+            counter = cvl == 0 and tid < g.threads  # one thread per item
+            if counter:
+                sRows[ry] = rows
+            below, total = batch.row_sums(cu, starts, num_reqs, item0, tid, sWarp)
+            own_base = below
+            for j in cutlass.range_constexpr(g.rpc - 1):
+                if j < ry:
+                    own_base = own_base + sRows[j]
+            if counter and by == 0 and item < num_reqs:
+                cuc[item] = own_base
+            if bid == 0 and tid == 0:
+                cuc[num_reqs] = total
+        else:
+            if tid < g.rpc:
+                sReq[tid] = Int32(-1)
 
-        # Row offsets: thread t counts the rows of a contiguous run of requests, a block
-        # scan gives each run its first row.
-        b_lo, b_hi, running, total = batch.scan(cu, starts, num_reqs, tid, sWarp)
-        # Each request records its first row for its own item and its request for the
-        # CTA's row items it covers (at most rpc iterations per CTA in all).
-        row_lo = cutlass.max(item0 - num_reqs, Int32(0))
-        row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
-        for b in cutlass.range(b_lo, b_hi):
-            rows_b = batch.count(starts[b], cu[b + 1] - cu[b])
-            if bid == 0:
-                cuc[b] = running
-            if b >= item0 and b < item0 + g.rpc:
-                sBase[b - item0] = running
-            if cutlass.const_expr(not request_rows):
+            # Row offsets: thread t counts the rows of a contiguous run of requests, a block
+            # scan gives each run its first row.
+            b_lo, b_hi, running, total = batch.scan(cu, starts, num_reqs, tid, sWarp)
+            # Each request records its first row for its own item and its request for the
+            # CTA's row items it covers (at most rpc iterations per CTA in all).
+            row_lo = cutlass.max(item0 - num_reqs, Int32(0))
+            row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
+            for b in cutlass.range(b_lo, b_hi):
+                rows_b = batch.count(starts[b], cu[b + 1] - cu[b])
+                if bid == 0:
+                    cuc[b] = running
+                if b >= item0 and b < item0 + g.rpc:
+                    sBase[b - item0] = running
                 for n in cutlass.range(cutlass.max(running, row_lo),
                                        cutlass.min(running + rows_b, row_hi)):
                     sReq[n + num_reqs - item0] = b
                     sBase[n + num_reqs - item0] = running
-            running = running + rows_b
-        if bid == 0 and tid == 0:
-            cuc[num_reqs] = total
-        cute.arch.sync_threads()
+                running = running + rows_b
+            if bid == 0 and tid == 0:
+                cuc[num_reqs] = total
+            cute.arch.sync_threads()
 
         if active:
             if item < num_reqs:
-                base = sBase[ry]
+                base = own_base
+                if cutlass.const_expr(not request_rows):
+                    base = sBase[ry]
                 if ok:
                     q0 = start // R
                     for h in cutlass.range_constexpr(C):

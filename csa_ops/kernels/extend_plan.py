@@ -40,20 +40,20 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # 64 / 256: 2.78 / 5.16 us against 3.10 / 5.49); at the mid and prefill keys the registers
 # it costs (142 / 146 against 122 / 118) made batch 1024 25.0 us and prefill 19.4.
 # Decode steps (as many new tokens as requests) let each request pool its own rows
-# (request_rows): no row items. Graph replay, interleaved in one process: batch 256 5.04
-# us against 5.41 (kernel time 4.58 against 5.10), batch 512 with vec 4 / 256 threads 8.60
-# against 10.07, batch 1024 15.7 against 17.9 (the mid key); batch 1 and 64 within the
-# runs' spread (2.93 / 3.30 against 2.94 / 3.10); vec 4 / 256 threads loses below 512.
+# (request_rows): no row items, and a CTA sums the rows before its requests instead of
+# scanning the batch. Graph replay (kernel time), interleaved in one process against the
+# size-class keys: batch 1 2.66 us (2.17) against 2.81 (2.38), batch 64 2.99 (2.74) against
+# 3.10 (2.79), batch 256 4.76 (4.28) against 5.41 (5.10), batch 1024 15.0 (16.8) against
+# 17.9 (19.8, the mid-sized key); vec 4 / 256 threads lost at every batch but 1024 (15.9).
 SIZE_LIMITS = (256, 2048)  # new tokens: the largest call of each size class but the last
-SIZES = len(SIZE_LIMITS) + 1
-STEPS = (SIZES, SIZES + 1)  # decode steps of at most SIZE_LIMITS[0] new tokens, and larger
+STEP = len(SIZE_LIMITS) + 1  # the class of decode steps
 
 
 def size_class(num_tokens: int, num_requests: int) -> int:
-    """0: decode-sized calls, 1: mid-sized, 2: prefill-sized; STEPS: decode steps (as many
-    new tokens as requests), up to SIZE_LIMITS[0] new tokens and larger."""
+    """0: decode-sized calls, 1: mid-sized, 2: prefill-sized (by new tokens); STEP: decode
+    steps, as many new tokens as requests, whatever the size."""
     if num_tokens == num_requests:
-        return STEPS[num_tokens > SIZE_LIMITS[0]]
+        return STEP
     return sum(num_tokens > limit for limit in SIZE_LIMITS)
 
 
@@ -62,10 +62,10 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
     itself, whatever the size)."""
     if key.family == "streaming":
         return key
-    if size in STEPS:
-        # Each request pools its own rows (rows past coff one after another, should a call
-        # with as many tokens as requests give one request several).
-        return with_knobs(for_size(key, STEPS.index(size)), request_rows=True)
+    if size == STEP:
+        # A call with as many tokens as requests may still give one request several (its
+        # rows past coff then pool one after another): correct, if slower than row items.
+        return with_knobs(for_size(key, 0), request_rows=True)
     if size == 0:
         return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, preload_decode=True)
     if size == 1:
@@ -75,7 +75,7 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
 
 def keys(key: KernelKey) -> tuple[KernelKey, ...]:
     """Every extend key calls of forward key `key` may launch (precompile builds them all)."""
-    return tuple(dict.fromkeys(for_size(key, size) for size in range(SIZES + len(STEPS))))
+    return tuple(dict.fromkeys(for_size(key, size) for size in range(STEP + 1)))
 
 
 def supports(key: KernelKey) -> bool:

@@ -1,6 +1,7 @@
 """Device helpers of csa::compressor_extend shared by its two kernels (extend.py for register
 windows, streaming.py for large ones): a request's validity and row count as the reference
-defines them, and the batch's row offsets by one block-wide scan.
+defines them, the batch's row offsets by one block-wide scan, and the two sums a CTA whose
+requests pool their own rows needs instead.
 
 A request is `ok` when its tokens lie in [0, num_tokens), its slot in [0, num_slots),
 0 <= start and start + length fits int32. Other requests still count their rows (the
@@ -70,3 +71,28 @@ class Batch:
                 running = running + part
             total = total + part
         return b_lo, b_hi, running, total
+
+    @cute.jit
+    def row_sums(self, cu, starts, num_reqs, limit, tid, sWarp):
+        """(rows of requests [0, limit), rows of all requests), int32 wrapping like the
+        reference's cast: requests strided over the CTA (coalesced loads), then one CTA
+        reduction that ends with a barrier; sWarp holds two int32 per warp."""
+        below = Int32(0)
+        total = Int32(0)
+        for b in cutlass.range(tid, num_reqs, self.nt, unroll=2):
+            rows = self.count(starts[b], cu[b + 1] - cu[b])
+            total = total + rows
+            if b < limit:
+                below = below + rows
+        below = cute.arch.warp_redux_sync(below, "add")
+        total = cute.arch.warp_redux_sync(total, "add")
+        if tid % 32 == 0:
+            sWarp[tid // 32] = below
+            sWarp[self.warps + tid // 32] = total
+        cute.arch.sync_threads()
+        below = Int32(0)
+        total = Int32(0)
+        for w in cutlass.range_constexpr(self.warps):
+            below = below + sWarp[w]
+            total = total + sWarp[self.warps + w]
+        return below, total
