@@ -4,7 +4,9 @@
                                               # prefill 4 x 2048 continuing from state
     python bench/bench_serving.py --smoke     # tiny shapes on the CPU: the harness works
 
-Writes serving.json and serving.md under --out (default bench/out/).
+Writes serving.json and serving.md under --out (default bench/out/). Each case also gets
+its DRAM floor: the bytes any implementation must move (serving_traffic.py) over the
+device's measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import report
+import serving_traffic
 import timing
 import torch
 import variants
@@ -29,6 +32,7 @@ import csa_ops
 from csa_ops import reference
 
 CONFIGS = {"d512_r4c2": (512, 4, 2), "d512_r128c1": (512, 128, 1)}
+FLOOR = "DRAM floor"  # the variant name of each case's floor row
 PREFILL_STARTS = (1000, 37, 4099, 5)  # positions the 4 prefill requests continue from
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -256,15 +260,23 @@ def run_case(name: str, kind: str, steps: dict, checks: dict, args, sets: int) -
     return rows
 
 
+def floor_row(name: str, kind: str, nbytes: int, bandwidth: float) -> dict:
+    """The case's DRAM floor: `nbytes` (serving_traffic) at the measured copy bandwidth."""
+    return {"case": name, "kind": kind, "variant": FLOOR, "timing": "floor", "status": "ok",
+            "median_s": nbytes / bandwidth, "bytes": nbytes, "max_error": [], "bitwise": None}
+
+
 def add_derived(rows: list) -> None:
-    """Speedups over the eager and compiled steps (decode) and op / training forward
-    (prefill), each against the same case and timing mode."""
+    """Speedups over the eager and compiled steps (decode), op / training forward
+    (prefill) and op / DRAM floor, each against the same case (and timing mode)."""
     times = {(r["case"], r["variant"], r["timing"]): r["median_s"] for r in rows
              if "median_s" in r}
     for r in rows:
         t = r.get("median_s")
         if t is None or r["variant"] != "op":
             continue
+        floor = times.get((r["case"], FLOOR, "floor"))
+        r["op_over_floor"] = t / floor if floor else None
         for base in ("eager step", "compiled step"):
             ref = times.get((r["case"], base, r["timing"]))
             r[f"speedup_vs_{base.split()[0]}"] = ref / t if ref else None
@@ -303,14 +315,22 @@ def markdown(results: dict) -> str:
     title = (f"# csa::compressor_extend on {meta['device_name']} ({meta['dtype']}, "
              f"torch {meta['torch']})")
     header = ("| case | variant | timing | time us | vs eager step | vs compiled step | "
-              "op / training fwd | check |")
-    lines = [title, "", header, "|---|---|---|---|---|---|---|---|"]
+              "op / training fwd | op / DRAM floor | check |")
+    lines = [title, "", f"Copy bandwidth {meta['copy_bandwidth_Bps'] / 1e9:.0f} GB/s "
+             "(read + write); the floor rows move the bytes serving_traffic.py counts at it.",
+             "", header, "|---|---|---|---|---|---|---|---|---|"]
     for r in results["results"]:
         time_us = f"{r['median_s'] * 1e6:.2f}" if "median_s" in r else r["status"]
-        check = "bitwise" if r.get("bitwise") else f"max err {max(r['max_error'], default=0):.1e}"
+        if r["variant"] == FLOOR:
+            check = f"{r['bytes'] / 1e6:.2f} MB"
+        elif r.get("bitwise"):
+            check = "bitwise"
+        else:
+            check = f"max err {max(r['max_error'], default=0):.1e}"
         lines.append(f"| {r['case']} | {r['variant']} | {r['timing']} | {time_us} | "
                      f"{_fmt(r.get('speedup_vs_eager'))} | {_fmt(r.get('speedup_vs_compiled'))} "
-                     f"| {_fmt(r.get('op_over_training'))} | {check} |")
+                     f"| {_fmt(r.get('op_over_training'))} | {_fmt(r.get('op_over_floor'))} "
+                     f"| {check} |")
     if results["targets"]:
         lines += ["", "Targets (kernel time, graph replay):", ""]
         lines += [f"- {t}" for t in results["targets"]]
@@ -321,9 +341,13 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
     tol = variants.tolerance(args.dtype, "fwd")
+    bandwidth = timing.copy_bandwidth(args.device, (2048 if args.device.type == "cuda" else 64)
+                                      << 20)
     meta = report.environment(args.device) | {
         "argv": sys.argv[1:] if argv is None else list(argv), "dtype": str(args.dtype),
-        "warmup": args.warmup, "iters": args.iters, "l2_bytes": timing.l2_bytes(args.device)}
+        "warmup": args.warmup, "iters": args.iters, "l2_bytes": timing.l2_bytes(args.device),
+        "copy_bandwidth_Bps": bandwidth}
+    itemsize = args.dtype.itemsize
     rows: list = []
     for config in args.configs.split(","):
         head_dim, ratio, coff, label = _config(args, config)
@@ -332,13 +356,20 @@ def main(argv=None) -> dict:
             case = decode_case(args, head_dim, ratio, coff, batch)
             steps = decode_steps(case, compile_=not args.no_compile)
             checks = check_decode(case, steps, tol)
-            rows += run_case(f"decode {label} B{batch}", "decode", steps, checks, args,
-                             case["sets"])
+            name = f"decode {label} B{batch}"
+            nbytes = serving_traffic.call_bytes(case["start"].tolist(), [1] * batch, ratio,
+                                                coff, head_dim, itemsize)
+            rows += [*run_case(name, "decode", steps, checks, args, case["sets"]),
+                     floor_row(name, "decode", nbytes, bandwidth)]
             del case, steps
         case = prefill_case(args, head_dim, ratio, coff)
         steps = prefill_steps(case)
-        rows += run_case(f"prefill {label} 4x{args.prefill_tokens}", "prefill", steps,
-                         check_prefill(case, steps, tol), args, case["sets"])
+        name = f"prefill {label} 4x{args.prefill_tokens}"
+        nbytes = serving_traffic.call_bytes(PREFILL_STARTS, [args.prefill_tokens] * 4, ratio,
+                                            coff, head_dim, itemsize)
+        rows += [*run_case(name, "prefill", steps, check_prefill(case, steps, tol), args,
+                           case["sets"]),
+                 floor_row(name, "prefill", nbytes, bandwidth)]
         del case, steps
     add_derived(rows)
     meta["elapsed_s"] = time.perf_counter() - t0

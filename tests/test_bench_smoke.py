@@ -115,6 +115,24 @@ def test_floor_bytes_follow_spec(variants):
     assert nbytes == {"fwd": fwd, "bwd": fwd + inputs, "fwd+bwd": 2 * fwd + inputs}
 
 
+def test_serving_floor_bytes_follow_spec_8():
+    traffic = _bench_module("serving_traffic")
+    d, es = 512, 2
+    pair = d * (es + 4)  # one column half of a state entry: values and fp32 logits
+    token = 2 * 2 * d * es  # kv + score, both coff halves
+    # r4 c2 decode: a token that completes no block writes its own entry, both halves...
+    assert traffic.request_bytes(9, 1, 4, 2, d, es) == token + 2 * pair
+    # ...one that completes a block reads the window's 7 old pairs and the other halves of
+    # the 3 entries that move, writes those 3 entries and its own, and emits a row.
+    assert traffic.request_bytes(11, 1, 4, 2, d, es) == token + d * es + (10 + 8) * pair
+    # r128 c1: completing a block reads its 127 old entries and leaves no entry to write.
+    assert traffic.request_bytes(255, 1, 128, 1, d, es) == token // 2 + d * es + 127 * pair
+    # A fresh prefill of 8 tokens at r4 c2 reads no state and writes the last block.
+    assert traffic.request_bytes(0, 8, 4, 2, d, es) == 8 * token + 2 * d * es + 8 * pair
+    assert traffic.call_bytes([9, 11], [1, 1], 4, 2, d, es) == 4 * (4 * 2 + 2) + sum(
+        traffic.request_bytes(p, 1, 4, 2, d, es) for p in (9, 11))
+
+
 def test_check_rejects_wrong_outputs(variants):
     want = torch.randn(64, 32, dtype=torch.bfloat16)
     tol = variants.tolerance(torch.bfloat16, "fwd")

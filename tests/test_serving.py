@@ -448,8 +448,12 @@ def test_bench_serving_smoke(tmp_path):
     assert results["meta"]["device"] == "cpu"
     rows = results["results"]
     assert {r["variant"] for r in rows} >= {"op", "eager step", "compiled step",
-                                            "training forward"}
+                                            "training forward", "DRAM floor"}
+    floors = {r["case"]: r for r in rows if r["variant"] == "DRAM floor"}
+    assert set(floors) == {r["case"] for r in rows}  # one per case
     for r in rows:
+        if r["variant"] == "op" and r["timing"] == "call":
+            assert r["op_over_floor"] == r["median_s"] / floors[r["case"]]["median_s"]
         if r["timing"] in ("graph", "kernel"):
             assert r["status"] == "n/a (CUDA only)"
         else:

@@ -1,0 +1,138 @@
+"""csa::compressor_extend kernel keys side by side, interleaved in one process (CUDA only).
+
+    python bench/time_extend.py --config d512_r4c2 \
+        "step:vec=2,threads=128,preload_decode=1,request_rows=1" \
+        "sized:vec=2,threads=128,preload_decode=1" "p:vec=4,threads=128"
+
+Each variant is LABEL:KNOBS, the register-window forward key of --config with those knobs
+(csa_ops.config.parse_knobs). Labels starting with "p" run the prefill cases (4 requests
+continuing from state, bench_serving.py's), the others the decode steps. Every key is
+launched directly (host.launch_key) on the same inputs; its rows, cu_seqlens_comp and new
+state must equal the first variant's bit for bit. Then rounds of CUDA-graph replays
+(--rounds, every variant in each round, so drift hits all alike) and, in the first three
+rounds, the profiler's kernel time. The training forward joins the prefill cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_serving
+import timing
+import torch
+
+from csa_ops import host
+from csa_ops.config import parse_knobs, with_knobs
+from csa_ops.kernels import extend_plan
+
+CALLS = 50  # launches per graph
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("variants", nargs="+", help="LABEL:KNOBS (labels starting with p: prefill)")
+    p.add_argument("--config", default="d512_r4c2", choices=sorted(bench_serving.CONFIGS))
+    p.add_argument("--batches", default="1,64,256,1024", help="decode batch sizes")
+    p.add_argument("--prefill-tokens", default="2048", help="new tokens per request (list)")
+    p.add_argument("--rounds", type=int, default=9)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("time_extend.py needs a CUDA device")
+    return args
+
+
+def _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms):
+    """step(i): the key's launch on input set i (bench_serving's rotation)."""
+    sets, head_dim = case["sets"], key.head_dim
+    num_tokens = case["kv"][0].shape[0]
+    grid = extend_plan.plan(key, batch, num_rows, num_sms).grid
+    device = case["kv"][0].device
+    out = torch.empty(num_rows, head_dim, dtype=case["kv"][0].dtype, device=device)
+    cuc = torch.empty(batch + 1, dtype=torch.int32, device=device)
+    sizes = (num_tokens, num_rows, batch, kv_state.shape[0])
+
+    def step(i):
+        tensors = (case["kv"][i % sets], case["score"][i % sets], case["ape"], case["cu"],
+                   case["start"], case["slots"][i % sets], kv_state, score_state, out, cuc)
+        host.launch_key("ext", key, tensors, sizes, grid)
+        return out, cuc
+
+    return step
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int8) if t.is_floating_point() else t
+
+
+def _check(name, steps, kv_state, score_state) -> None:
+    """Every variant's first call against the first variant's, from the same state."""
+    saved = kv_state.clone(), score_state.clone()
+    first = None
+    for label, step in steps.items():
+        kv_state.copy_(saved[0])
+        score_state.copy_(saved[1])
+        got = [t.clone() for t in (*step(0), kv_state, score_state)]
+        if first is None:
+            first = label, got
+            continue
+        same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, first[1], strict=True))
+        if not same:
+            raise SystemExit(f"{name}: {label} differs from {first[0]}")
+    kv_state.copy_(saved[0])
+    score_state.copy_(saved[1])
+
+
+def time_case(name, steps, rounds: int, sets: int) -> None:
+    calls = max(sets, CALLS)
+    graphs = {label: timing.capture_graph(step, calls, 2)[0] for label, step in steps.items()}
+    replay = {label: [] for label in steps}
+    kernel = {label: [] for label in steps}
+    for r in range(rounds):
+        for label, step in steps.items():
+            replay[label].append(timing.time_graph(graphs[label], calls, 2, 10)[0] * 1e6)
+            if r < 3:
+                kernel[label].append(timing.kernel_time(step, calls, 2, 3)[0] * 1e6)
+    for label in steps:
+        print(f"{name:18s} {label:12s} graph {statistics.median(replay[label]):7.2f} us "
+              f"(min {min(replay[label]):6.2f})  kernel {statistics.median(kernel[label]):7.2f} "
+              "us", flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    serving = bench_serving.parse_args(["--no-compile"])
+    head_dim, ratio, coff, _ = bench_serving._config(serving, args.config)
+    forward = extend_plan.configure(ratio, coff, head_dim, "bfloat16", "sm_90a")
+    keys = {}
+    for variant in args.variants:
+        label, _, knobs = variant.partition(":")
+        keys[label] = with_knobs(forward, **parse_knobs(knobs))
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        case = bench_serving.decode_case(serving, head_dim, ratio, coff, batch)
+        cases.append((f"decode B{batch}", False, case, case["kv_state"], case["score_state"],
+                      batch, batch))
+    for tokens in (int(t) for t in args.prefill_tokens.split(",")):
+        serving.prefill_tokens = tokens
+        case = bench_serving.prefill_case(serving, head_dim, ratio, coff)
+        cases.append((f"prefill 4x{tokens}", True, case, case["state"].kv, case["state"].score,
+                      case["rows"], len(bench_serving.PREFILL_STARTS)))
+    for name, prefill, case, kv_state, score_state, num_rows, batch in cases:
+        steps = {label: _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms)
+                 for label, key in keys.items() if label.startswith("p") == prefill}
+        if not steps:
+            continue
+        _check(name, steps, kv_state, score_state)
+        if prefill:
+            steps["training fwd"] = bench_serving.prefill_steps(case)["training forward"]
+        time_case(name, steps, args.rounds, case["sets"])
+
+
+if __name__ == "__main__":
+    main()
