@@ -36,8 +36,8 @@ def request_bytes(start: int, length: int, ratio: int, coff: int, head_dim: int,
             if 0 <= first + k < start:
                 reads.add((first + k, k // ratio))
     writes = 0
+    base = (end // ratio - (coff - 1)) * ratio  # the new state's entry 0
     for entry in range(coff * ratio):
-        base = (end // ratio - (coff - 1)) * ratio
         position = base + entry
         if position < 0 or position >= end:
             continue  # the initial state or an unspecified entry: nothing to write

@@ -41,10 +41,11 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # it costs (142 / 146 against 122 / 118) made batch 1024 25.0 us and prefill 19.4.
 # Decode steps (as many new tokens as requests) let each request pool its own rows
 # (request_rows): no row items, and a CTA sums the rows before its requests instead of
-# scanning the batch. Graph replay (kernel time), interleaved in one process against the
-# size-class keys: batch 1 2.66 us (2.17) against 2.81 (2.38), batch 64 2.99 (2.74) against
-# 3.10 (2.79), batch 256 4.76 (4.28) against 5.41 (5.10), batch 1024 15.0 (16.8) against
-# 17.9 (19.8, the mid-sized key); vec 4 / 256 threads lost at every batch but 1024 (15.9).
+# scanning the batch. Graph replay (kernel time), bench/time_extend.py: batch 1 / 64 / 256 /
+# 1024 2.66 (2.17) / 2.99 (2.74) / 4.76 (4.28) / 15.0 (16.8) us, against 2.81 / 3.26 / 5.09
+# / 21.8 for the same grid with the batch scan in the same run; the size-class keys took
+# 2.79 / 2.90 / 5.42 / 17.9 (the mid-sized key) in a run of their own. vec 4 / 256 threads
+# lost at every batch but 1024 (15.9).
 SIZE_LIMITS = (256, 2048)  # new tokens: the largest call of each size class but the last
 STEP = len(SIZE_LIMITS) + 1  # the class of decode steps
 
