@@ -2,15 +2,16 @@
 
     python bench/time_extend.py --config d512_r4c2 \
         "step:vec=2,threads=128,preload_decode=1,request_rows=1" \
-        "sized:vec=2,threads=128,preload_decode=1" "p:vec=4,threads=128"
+        "sized:vec=2,threads=128,preload_decode=1" "p:vec=4,threads=128,part=1"
 
 Each variant is LABEL:KNOBS, the register-window forward key of --config with those knobs
-(csa_ops.config.parse_knobs). Labels starting with "p" run the prefill cases (4 requests
-continuing from state, bench_serving.py's), the others the decode steps. Every key is
-launched directly (host.launch_key) on the same inputs; its rows, cu_seqlens_comp and new
-state must equal the first variant's bit for bit. Then rounds of CUDA-graph replays
-(--rounds, every variant in each round, so drift hits all alike) and, in the first three
-rounds, the profiler's kernel time. The training forward joins the prefill cases.
+(csa_ops.config.parse_knobs; part=1 runs a split call's two launches). Labels starting with
+"p" run the prefill cases (4 requests continuing from state, bench_serving.py's), the others
+the decode steps. Every key is launched directly (host.launch_key) on the same inputs; its
+rows, cu_seqlens_comp and new state must equal the first variant's bit for bit. Then rounds
+of CUDA-graph replays (--rounds, every variant in each round, so drift hits all alike) and,
+in the first three rounds, the profiler's kernel time (a split call's: the sum of its two
+launches' durations, which overlap). The training forward joins the prefill cases.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def parse_args(argv=None):
 
 
 def _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms):
-    """step(i): the key's launch on input set i (bench_serving's rotation)."""
+    """step(i): the key's launches (extend_plan.launches) on input set i (bench_serving's
+    rotation)."""
     sets, head_dim = case["sets"], key.head_dim
     num_tokens = case["kv"][0].shape[0]
-    grid = extend_plan.plan(key, batch, num_rows, num_sms).grid
+    launches = [(part, extend_plan.plan(part, batch, num_rows, num_sms).grid)
+                for part in extend_plan.launches(key)]
     device = case["kv"][0].device
     out = torch.empty(num_rows, head_dim, dtype=case["kv"][0].dtype, device=device)
     cuc = torch.empty(batch + 1, dtype=torch.int32, device=device)
@@ -59,7 +62,8 @@ def _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms):
     def step(i):
         tensors = (case["kv"][i % sets], case["score"][i % sets], case["ape"], case["cu"],
                    case["start"], case["slots"][i % sets], kv_state, score_state, out, cuc)
-        host.launch_key("ext", key, tensors, sizes, grid)
+        for part, grid in launches:
+            host.launch_key("ext", part, tensors, sizes, grid)
         return out, cuc
 
     return step

@@ -75,6 +75,16 @@ class WindowKnobs(_Knobs):
     # no row items (kernels/extend.py). For calls of one token per request (decode steps),
     # whose rows their requests' items pool anyway: half the CTAs, no batch scan.
     request_rows: bool = False
+    # csa::compressor_extend only: 0, one launch does the call; else the call is two
+    # launches: 1, its requests' items (the rows that read the state, the new state), then
+    # 2, its row items, which start without waiting for the first (PDL, kernels/extend.py)
+    # and so run beside it, at the forward's registers per thread.
+    part: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.part not in (0, 1, 2):
+            raise ValueError(f"WindowKnobs.part must be 0, 1 or 2, got {self.part!r}")
 
 
 @dataclasses.dataclass(frozen=True)

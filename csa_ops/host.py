@@ -627,10 +627,12 @@ def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_request
     that call. Inputs other than the state are made contiguous, ape fp32 (exact)."""
     key = problem.key
     a = key.align_bytes
-    plan = extend_plan.plan(key, num_requests, num_rows, problem.num_sms)
-    kernel = _launcher_for(problem, "ext")
+    # (kernel, its grid) per launch: one, or a split call's two parts
+    launches = [(_launcher_for(problem._replace(key=part), "ext"),
+                 extend_plan.plan(part, num_requests, num_rows, problem.num_sms).grid)
+                for part in extend_plan.launches(key)]
     stream, index = launcher.current_stream_handle, problem.device_index
-    tail = (num_tokens, num_rows, num_requests, num_slots, plan.grid)
+    sizes = (num_tokens, num_rows, num_requests, num_slots)
     out_shape = (num_rows, key.head_dim)
 
     def extend(kv, score, ape, cu, start_pos, slots, kv_state, score_state):
@@ -647,7 +649,8 @@ def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_request
         # An empty tensor may sit at address 0; the kernel never touches one, and any live
         # address serves: ape's (never empty, 16-byte aligned).
         values = [t.data_ptr() or ape.data_ptr() for t in tensors]
-        kernel(*values, *tail, stream(index))
+        for kernel, grid in launches:
+            kernel(*values, *sizes, grid, stream(index))
         return out, cuc
 
     return extend
@@ -656,8 +659,8 @@ def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_request
 def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
                       arch: str | None = None) -> tuple[KernelKey, ...]:
     """Compile (or load from the disk cache) csa::compressor_extend's kernels of one
-    configuration, one per call size class; dtype None means bfloat16, arch None the
-    current CUDA device."""
+    configuration, every kernel a call size class launches; dtype None means bfloat16, arch
+    None the current CUDA device."""
     dtype, arch = _target("precompile_extend", dtype, arch)
     key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, False)
     if key is None or not extend_plan.supports(key):

@@ -57,23 +57,31 @@ _POOL_OPS = ("ex2.approx", "fma.rn.f32", "fma.rm.f32", r"\tmul.f32", r"\tadd.f32
 @pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16"),
                                  (4, 2, 128, "float16")], ids=("r4c2_bf16", "r4c1", "fp16"))
 def test_rows_pool_with_the_forward_operations(cfg):
-    # Every extend key pools at coff + 1 sites: one per head row (they may read the state)
-    # and one for rows of new tokens (row items, or a request's rows past coff); each must
-    # compile to the forward's per-row operations at the key's vector width, no more and no
-    # fewer (a folded select, say, would let an FMA contract). The only other float
-    # arithmetic is the logits' adds (one rounding each), counted exactly on the forward-knob
-    # key: the state's, one per entry, half and column.
+    # Every extend kernel pools at one site per head row (they may read the state) and one
+    # for rows of new tokens (row items, or a request's rows past coff): coff + 1 sites, a
+    # split call's parts coff (requests' items) and 1 (row items). Each must compile to the
+    # forward's per-row operations at the key's vector width, no more and no fewer (a folded
+    # select, say, would let an FMA contract). The only other float arithmetic is the
+    # logits' adds (one rounding each), counted exactly on the forward-knob parts: the
+    # state's, one per entry, half and column, in the part that updates it. One placement
+    # difference is allowed: the compiler may sink a softmax's sum (window - 1 adds) into
+    # both arms of cm.divide_into's branch, where each arm still adds once.
     forward = extend_plan.configure(*cfg, "sm_90a")
-    sites = forward.coff + 1
+    parts = extend_plan.launches(extend_plan.for_size(forward, 1))
+    assert parts == (with_knobs(forward, part=1), with_knobs(forward, part=2))
     for key in extend_plan.keys(forward):
+        sites = {0: forward.coff + 1, 1: forward.coff, 2: 1}[key.knobs.part]
         ext = host.ptx("ext", key)
         fwd = host.ptx("fwd", with_knobs(forward, vec=key.knobs.vec, threads=key.knobs.threads))
         for op in _POOL_OPS:
             assert len(re.findall(op, ext)) == sites * len(re.findall(op, fwd)), (key, op)
         assert "ld.local" not in ext and "st.local" not in ext
-        if key == forward:
-            state_logits = key.window * key.coff * key.knobs.vec
-            assert ext.count("add.rn.f32") == sites * fwd.count("add.rn.f32") + state_logits
+        if key in parts:
+            state_logits = key.window * key.coff * key.knobs.vec if key.knobs.part == 1 else 0
+            sunk = ext.count("add.rn.f32") - sites * fwd.count("add.rn.f32") - state_logits
+            sums = sunk // (key.window - 1)
+            assert sunk == sums * (key.window - 1), (key, sunk)
+            assert 0 <= sums <= sites * key.knobs.vec, (key, sunk)
 
 
 @pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16")],
@@ -124,6 +132,16 @@ def test_plan_covers_requests_then_rows():
     assert extend_plan.plan(key, 0, 0, 132) == LaunchPlan(grid=1)  # still writes cuc
     assert extend_plan.plan(key, 256, 64, 132) == LaunchPlan(grid=-(-320 // rpc))
     assert extend_plan.plan(key, 1, 0, 132) == LaunchPlan(grid=1)
+    # A split call: the requests' items, then the row items (at least one CTA: cuc).
+    assert extend_plan.launches(key) == (key,)
+    requests, rows = extend_plan.launches(with_knobs(key, part=1))
+    assert (requests.knobs.part, rows.knobs.part) == (1, 2)
+    assert extend_plan.plan(requests, 256, 64, 132) == LaunchPlan(grid=-(-256 // rpc))
+    assert extend_plan.plan(rows, 256, 64, 132) == LaunchPlan(grid=-(-64 // rpc))
+    assert extend_plan.plan(rows, 3, 0, 132) == LaunchPlan(grid=1)
+    assert extend_plan.launches(with_knobs(key, part=2)) == (requests, rows)
+    with pytest.raises(ValueError, match="part must be 0, 1 or 2"):
+        with_knobs(key, part=3)
     # Streaming: column blocks times item groups, at most MAX_ROWS items per CTA.
     key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
     blocks = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
@@ -162,19 +180,20 @@ def test_argument_table_of_the_extend_kernel():
 def test_call_size_classes_pick_the_measured_launch_shapes():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
     sizes = (0, 1, 256, 257, 2048, 2049, 10**6)
-    assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 2, 2]
+    assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 1, 1]
     # As many tokens as requests: a decode step, whatever the size.
     assert {extend_plan.size_class(n, n) for n in sizes} == {extend_plan.STEP}
-    decode, mid, prefill = (extend_plan.for_size(forward, size) for size in range(3))
+    decode, larger = (extend_plan.for_size(forward, size) for size in range(2))
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
-    assert decode.knobs.preload_decode and not (mid.knobs.preload_decode or
+    assert decode.knobs.preload_decode and not (larger.knobs.preload_decode or
                                                 forward.knobs.preload_decode)
-    assert (mid.knobs.vec, mid.knobs.threads) == (forward.knobs.vec, 256)
-    assert prefill == forward
+    assert larger == with_knobs(forward, part=1)  # split, at the forward's knobs
     step = extend_plan.for_size(forward, extend_plan.STEP)
     assert step == with_knobs(decode, request_rows=True)
-    assert not any(key.knobs.request_rows for key in (decode, mid, prefill))
-    assert extend_plan.keys(forward) == (decode, mid, prefill, step)
+    assert not any(key.knobs.request_rows for key in (decode, larger))
+    assert not any(key.knobs.part for key in (decode, step))
+    rows = with_knobs(forward, part=2)
+    assert extend_plan.keys(forward) == (decode, larger, rows, step)
     for key in extend_plan.keys(forward):  # only launch knobs differ from the forward's
         assert dataclasses.replace(key, knobs=forward.knobs) == forward
         assert extend_plan.supports(key)

@@ -228,6 +228,18 @@ def await_upstream(pdl: cutlass.Constexpr[bool]):
 
 
 @cute.jit
+def release_dependents(pdl: cutlass.Constexpr[bool]):
+    """Programmatic dependent launch without the wait: let the next PDL launch in the stream
+    start its CTAs as ours retire. Only for a launch that reads and writes nothing the grid
+    before it (or any before that) still writes or reads, because that grid waited for all
+    earlier ones before this launch could start (the second launch of a split
+    csa::compressor_extend call). Such a kernel calls await_upstream at its end, so that it
+    completes after the grid before it, and a grid that waits on it sees both."""
+    if cutlass.const_expr(pdl):
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
 def pick(cond: cutlass.Boolean, a: Float32, b: Float32) -> Float32:
     """cond ? a : b without a branch."""
     return Float32(cutlass.select_(cond, a, b))

@@ -11,6 +11,12 @@ columns and reads before it writes, in program order: no barrier, no other threa
 Every CTA first scans the batch's row counts to place its items' output rows (with
 request_rows: sums the rows before its requests and in all). Rows pool
 through window.py's per-column softmax with the forward key's flags: bit-identical rows.
+
+A split call (the `part` knob) is two launches of this kernel: part 1 has the requests'
+items, part 2 the row items. The row items read no state and write only their own rows, and
+the requests' items hold windows in registers across the scan: apart, the row items run at
+the forward's registers per thread, and part 2 starts without waiting for part 1 (PDL; it
+waits at its end instead), so the two overlap.
 """
 
 from __future__ import annotations
@@ -45,7 +51,11 @@ def _build(key: KernelKey):
     nt = -(-g.threads // 32) * 32  # whole warps: the scan shuffles over full warps
     warps = nt // 32
     batch = requests.Batch(R, nt)
-    group = max(1, min(W, 32 // (C * V)))  # state entries loaded before any is stored
+    part = key.knobs.part
+    # State entries update_state loads before it stores any: all of them in a split call's
+    # first part (a few CTAs, whose chain of dependent loads sets its time), else as many
+    # as keep registers at the forward's.
+    group = W if part == 1 else max(1, min(W, 32 // (C * V)))
     load_window, _, _ = window._window_io(g)
     smem_bytes = (W * g.cvc * V + 2 * g.rpc + 2 * warps) * 4 + 64
 
@@ -89,6 +99,11 @@ def _build(key: KernelKey):
                 for i in cutlass.range_constexpr(V):
                     rKV[i, k] = g.dtype(0.0)
                     rL[i, k] = Float32(0.0)
+
+    def window_registers():
+        """(kv, new tokens' scores, logits) of one window, gather's destinations."""
+        return (cute.make_rmem_tensor((V, W), g.dtype), cute.make_rmem_tensor((V, W), g.dtype),
+                cute.make_rmem_tensor((V, W), Float32))
 
     @cute.jit
     def finish_logits(rSc, rL, sApe, q, start, cvl):
@@ -209,6 +224,11 @@ def _build(key: KernelKey):
     moved = R - 1 if C == 2 and R - 1 <= DECODE_MOVED else 0
     preload = key.knobs.preload_decode
     request_rows = key.knobs.request_rows
+    # Head-row windows gathered before the scan: the first; every one in a split call's
+    # first part (registers cost nothing there).
+    early_heads = C if part == 1 else 1
+    has_requests = part != 2  # this launch has the requests' items
+    has_rows = part != 1 and not request_rows  # ... and row items
 
     def is_decode(ok, start, length, heads):
         """A one-token request whose new state starts at a position >= 0 (no initial-state
@@ -288,7 +308,12 @@ def _build(key: KernelKey):
     @cute.kernel
     def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
                num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
-        cm.await_upstream(g.pdl)
+        if cutlass.const_expr(part == 2):
+            # Nothing part 1 or the grids before it write is read or written here, and part
+            # 1 waited for those grids before this launch could start.
+            cm.release_dependents(g.pdl)
+        else:
+            cm.await_upstream(g.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         bx = bid // g.ny
@@ -297,6 +322,8 @@ def _build(key: KernelKey):
         cvl = tid % g.cvc
         cv = by * g.cvc + cvl
         item0 = bx * g.rpc
+        if cutlass.const_expr(part == 2):
+            item0 = item0 + num_reqs  # row items only
         item = item0 + ry  # < num_reqs: request `item`; else output row item - num_reqs
         cu = cute.make_tensor(p_cu, num_reqs + 1)
         starts = cute.make_tensor(p_starts, num_reqs + 1)
@@ -309,10 +336,9 @@ def _build(key: KernelKey):
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(2 * warps), 4)
         active = tid < g.threads and (not g.ragged_cols or cv < g.tpr)
 
-        # A request's first row issues its window loads before the scan (latency).
-        rKV = cute.make_rmem_tensor((V, W), g.dtype)
-        rSc = cute.make_rmem_tensor((V, W), g.dtype)
-        rL = cute.make_rmem_tensor((V, W), Float32)
+        # A request's first row issues its window loads before the scan (latency); a split
+        # call's first part issues every head row's.
+        windows = [window_registers() for _ in range(early_heads)]
         ok = cutlass.Boolean(False)
         tok0 = Int32(0)
         start = Int32(0)
@@ -325,13 +351,16 @@ def _build(key: KernelKey):
         rNS = cute.make_rmem_tensor((V, C), g.dtype)
         rMK = cute.make_rmem_tensor((V, max(moved, 1)), g.dtype)
         rML = cute.make_rmem_tensor((V, max(moved, 1)), Float32)
-        if active and item < num_reqs:
+        if cutlass.const_expr(not has_requests):
+            pass
+        elif active and item < num_reqs:
             ok, tok0, start, length, slot, rows = batch.request(cu, starts, slots, item,
                                                                 num_tokens, num_slots)
             heads = cutlass.min(rows, Int32(C))
-            if ok and heads > 0:
-                gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, start // R, start, tok0, slot,
-                       cv)
+            for h in cutlass.range_constexpr(early_heads):
+                if ok and heads > h:
+                    gather(p_kv, p_score, p_kvs, p_ss, *windows[h], start // R + h, start, tok0,
+                           slot, cv)
             if cutlass.const_expr(preload):
                 decode = is_decode(ok, start, length, heads)
             if decode:
@@ -380,8 +409,9 @@ def _build(key: KernelKey):
             row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
             for b in cutlass.range(b_lo, b_hi):
                 rows_b = batch.count(starts[b], cu[b + 1] - cu[b])
-                if bid == 0:
-                    cuc[b] = running
+                if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
+                    if bid == 0:
+                        cuc[b] = running
                 if b >= item0 and b < item0 + g.rpc:
                     sBase[b - item0] = running
                 for n in cutlass.range(cutlass.max(running, row_lo),
@@ -389,12 +419,15 @@ def _build(key: KernelKey):
                     sReq[n + num_reqs - item0] = b
                     sBase[n + num_reqs - item0] = running
                 running = running + rows_b
-            if bid == 0 and tid == 0:
-                cuc[num_reqs] = total
+            if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
+                if bid == 0 and tid == 0:
+                    cuc[num_reqs] = total
             cute.arch.sync_threads()
 
         if active:
-            if item < num_reqs:
+            if cutlass.const_expr(not has_requests):
+                pass
+            elif item < num_reqs:
                 base = own_base
                 if cutlass.const_expr(not request_rows):
                     base = sBase[ry]
@@ -402,15 +435,16 @@ def _build(key: KernelKey):
                     q0 = start // R
                     for h in cutlass.range_constexpr(C):
                         if h < heads:
-                            if cutlass.const_expr(h > 0):
+                            rKV, rSc, rL = windows[min(h, early_heads - 1)]
+                            if cutlass.const_expr(h >= early_heads):
                                 gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q0 + h, start,
                                        tok0, slot, cv)
                             finish_logits(rSc, rL, sApe, q0 + h, start, cvl)
                             if base + h >= 0 and base + h < num_rows:
                                 pool_store(p_out, rKV, rL, base + h, q0 + h, cv)
-                    if decode:
-                        store_decode(p_kvs, p_ss, sApe, rKV, rL, rNK, rNS, rMK, rML, start, slot,
-                                     heads, cv, cvl)
+                    if decode:  # its one head row's window
+                        store_decode(p_kvs, p_ss, sApe, windows[0][0], windows[0][2], rNK, rNS,
+                                     rMK, rML, start, slot, heads, cv, cvl)
                     else:
                         update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start,
                                      start + length, slot, cv, cvl)
@@ -429,6 +463,8 @@ def _build(key: KernelKey):
                 pad0 = cutlass.min(cutlass.max(total, Int32(0)), num_rows)
                 zero_rows(p_out, pad0 + item, num_rows, cute.arch.grid_dim()[0] // g.ny * g.rpc,
                           cv)
+            elif cutlass.const_expr(not has_rows):
+                pass
             elif item >= num_reqs:
                 n = item - num_reqs
                 if n < num_rows:
@@ -447,6 +483,12 @@ def _build(key: KernelKey):
                                          tok_b + (q * R - start_b), cv, cvl)
                             else:
                                 zero_row(p_out, n, cv)
+        if cutlass.const_expr(part == 2):  # noqa: SIM102 (compile-time, then run-time test)
+            # This grid completes after part 1, so a grid that waits on it sees both: one
+            # CTA waiting suffices. The last one: waiting holds its SM slot, which in any
+            # earlier CTA would keep row items waiting behind it.
+            if bid == cute.arch.grid_dim()[0] - 1:
+                cm.await_upstream(g.pdl)
 
     @cute.jit
     def launch(p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,

@@ -33,26 +33,31 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 
 # Launch knobs by call size (new tokens). H200, d512 r4 c2 bf16, CUDA-graph replay per call,
 # against the forward key's vec 4 / 128 threads: decode at batch 1 / 64 / 256 takes 2.90 /
-# 3.24 / 5.42 us with vec 2 / 128 threads (4.03 / 4.43 / 6.37); batch 1024 17.7 us with
-# vec 4 / 256 threads (22.5; vec 2 / 128: 31.2); prefill 4 x 2048 is best with the
-# forward's own knobs (16.4 us; vec 2 / 128: 17.3). Small calls want more, narrower CTAs.
-# Decode-sized calls also preload one-token requests' state updates (kernel time at batch
-# 64 / 256: 2.78 / 5.16 us against 3.10 / 5.49); at the mid and prefill keys the registers
-# it costs (142 / 146 against 122 / 118) made batch 1024 25.0 us and prefill 19.4.
+# 3.24 / 5.42 us with vec 2 / 128 threads (4.03 / 4.43 / 6.37); small calls want more,
+# narrower CTAs. Decode-sized calls also preload one-token requests' state updates (kernel
+# time at batch 64 / 256: 2.78 / 5.16 us against 3.10 / 5.49).
 # Decode steps (as many new tokens as requests) let each request pool its own rows
 # (request_rows): no row items, and a CTA sums the rows before its requests instead of
 # scanning the batch. Graph replay (kernel time), bench/time_extend.py: batch 1 / 64 / 256 /
 # 1024 2.66 (2.17) / 2.99 (2.74) / 4.76 (4.28) / 15.0 (16.8) us, against 2.81 / 3.26 / 5.09
 # / 21.8 for the same grid with the batch scan in the same run; the size-class keys took
-# 2.79 / 2.90 / 5.42 / 17.9 (the mid-sized key) in a run of their own. vec 4 / 256 threads
-# lost at every batch but 1024 (15.9).
-SIZE_LIMITS = (256, 2048)  # new tokens: the largest call of each size class but the last
+# 2.79 / 2.90 / 5.42 / 17.9 (batch 1024: vec 4 / 256 threads) in a run of their own. The
+# step kernel at vec 4 / 256 threads lost at every batch but 1024 (15.9).
+# Larger calls split (part): the requests' items, whose windows held across the scan cost
+# registers (118 against the forward's 77: 4 CTAs per SM instead of 6), launch apart from
+# the row items, which then run at 77. The first part gathers all its head rows' windows
+# and state loads at once (178 registers, a few CTAs): its chain of dependent loads, not
+# the row items, otherwise sets the call's time. Graph replay, 4 requests from state, one
+# run: 4 x 256 / 1024 / 2048 / 8192 new tokens 7.35 / 10.69 / 15.46 / 46.9 us, against
+# 7.99 / 12.80 / 16.43 / 54.5 in one launch with the forward's knobs and 9.11 / 12.65 / 17.56
+# / 59.1 with its 256-thread CTAs (the training forward: 4.48 / 8.39 / 12.96 / 40.65).
+SIZE_LIMITS = (256,)  # new tokens: the largest call of each size class but the last
 STEP = len(SIZE_LIMITS) + 1  # the class of decode steps
 
 
 def size_class(num_tokens: int, num_requests: int) -> int:
-    """0: decode-sized calls, 1: mid-sized, 2: prefill-sized (by new tokens); STEP: decode
-    steps, as many new tokens as requests, whatever the size."""
+    """0: decode-sized calls, 1: larger ones (by new tokens); STEP: decode steps, as many
+    new tokens as requests, whatever the size."""
     if num_tokens == num_requests:
         return STEP
     return sum(num_tokens > limit for limit in SIZE_LIMITS)
@@ -69,14 +74,22 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
         return with_knobs(for_size(key, 0), request_rows=True)
     if size == 0:
         return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, preload_decode=True)
-    if size == 1:
-        return from_forward(key, threads=max(key.knobs.threads, 256))
-    return from_forward(key)
+    return from_forward(key, part=1)
+
+
+def launches(key: KernelKey) -> tuple[KernelKey, ...]:
+    """The kernels one call of extend key `key` launches, in order: itself, or a split call's
+    two parts (requests' items, then row items)."""
+    if key.family == "window" and key.knobs.part:
+        return with_knobs(key, part=1), with_knobs(key, part=2)
+    return (key,)
 
 
 def keys(key: KernelKey) -> tuple[KernelKey, ...]:
-    """Every extend key calls of forward key `key` may launch (precompile builds them all)."""
-    return tuple(dict.fromkeys(for_size(key, size) for size in range(STEP + 1)))
+    """Every extend kernel calls of forward key `key` may launch (precompile builds them
+    all)."""
+    return tuple(dict.fromkeys(launched for size in range(STEP + 1)
+                               for launched in launches(for_size(key, size))))
 
 
 def supports(key: KernelKey) -> bool:
@@ -84,14 +97,21 @@ def supports(key: KernelKey) -> bool:
 
 
 def plan(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
-    """Register windows: one CTA per `rpc` work items (each request's state, then each
-    output row unless the key's requests pool their own rows) and column chunk; at least one
-    CTA, which writes cu_seqlens_comp. Streaming:
+    """One launch of `key` (an entry of `launches`). Register windows: one CTA per `rpc`
+    work items and column chunk; the items are each request's (its state), then each output
+    row unless the key's requests pool their own rows; a split call's parts have the
+    requests' items and the row items. At least one CTA: a launch with row items, or whose
+    requests pool their own rows, writes cu_seqlens_comp. Streaming:
     streaming_plan.plan_extend."""
     if key.family == "streaming":
         return streaming_plan.plan_extend(key, num_requests, num_rows, num_sms)
     g = window_plan.geometry(key)
-    items = num_requests if key.knobs.request_rows else num_requests + num_rows
+    if key.knobs.request_rows or key.knobs.part == 1:
+        items = num_requests
+    elif key.knobs.part == 2:
+        items = num_rows
+    else:
+        items = num_requests + num_rows
     return LaunchPlan(grid=max(1, -(-items // g.rpc)))
 
 

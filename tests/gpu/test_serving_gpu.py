@@ -158,6 +158,57 @@ def test_decode_graph_replays_match_eager_bitwise(ratio, coff):
     assert_bitwise_equal(state.score, eager.score, "score_state")
 
 
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1)])
+def test_split_calls_in_one_graph_match_eager_bitwise(ratio, coff):
+    """Calls past the decode-sized class run as two launches whose second starts without
+    waiting for the first (PDL): three chunked-prefill calls captured back to back in one
+    graph, each continuing the state the one before it wrote, equal eager calls bitwise."""
+    from csa_ops import host
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    batch, piece, head_dim, num_slots, calls = 3, 150, 256, 5, 3
+    width = coff * head_dim
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    pieces = [(randn(batch * piece, width), randn(batch * piece, width)) for _ in range(calls)]
+    assert host.extend_problem(pieces[0][0], ratio, coff, batch).key.knobs.part == 1
+    ape = randn(ratio, width, dtype=torch.float32)
+    cu = torch.arange(0, (batch + 1) * piece, piece, dtype=torch.int32, device="cuda")
+    first = torch.tensor([0, 7, 1001], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    capacity = batch * (piece // ratio + 1)
+    graph_state, eager_state, scratch = (
+        CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
+        for _ in range(3))
+    graph_state.kv.copy_(randn(*graph_state.kv.shape))
+    graph_state.score.copy_(randn(*graph_state.score.shape, dtype=torch.float32))
+    for other in (eager_state, scratch):
+        other.kv.copy_(graph_state.kv)
+        other.score.copy_(graph_state.score)
+
+    def run(state):
+        return [OP(kv, score, ape, cu, first + i * piece, slots, state.kv, state.score, ratio,
+                   coff, capacity) for i, (kv, score) in enumerate(pieces)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run(graph_state)
+    graph.replay()
+    want = run(eager_state)
+    for i, ((rows, cuc), (want_rows, want_cuc)) in enumerate(zip(got, want, strict=True)):
+        assert_bitwise_equal(rows, want_rows, f"rows of call {i}")
+        assert_bitwise_equal(cuc, want_cuc, f"cu_seqlens_comp of call {i}")
+    assert_bitwise_equal(graph_state.kv, eager_state.kv, "kv_state")
+    assert_bitwise_equal(graph_state.score, eager_state.score, "score_state")
+
+
 def test_static_capacity_never_syncs():
     tokens, state, slots, start, ape = _decode_inputs(16, 4, 2, 128, 32, 1)
     cu = torch.arange(17, dtype=torch.int32, device="cuda")
@@ -280,11 +331,15 @@ def test_state_the_kernel_cannot_take_runs_the_reference():
         assert_bitwise_equal(ss_view, state.score, "score_state")
 
 
+@pytest.mark.parametrize("tokens", [48, 300], ids=("one_launch", "split"))
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2), (16, 1)])
-def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff):
+def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
     or reversed) get zero rows and leave every slot alone; the valid ones in the same batch
-    match a clean call; cu_seqlens_comp counts rows as the reference does."""
+    match a clean call; cu_seqlens_comp counts rows as the reference does. With 300 tokens
+    the register-window calls split into two launches (the clean call's 24 do not)."""
+    from csa_ops import host
+
     head_dim, num_slots, int32_max = 64, 8, 2**31 - 1
     gen = torch.Generator(device="cuda").manual_seed(3)
     width = coff * head_dim
@@ -292,8 +347,11 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff):
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
-    kv, score, ape = randn(48, width), randn(48, width), randn(ratio, width, dtype=torch.float32)
-    cu = [0, 10, 14, 20, 24, 60, 30, 40, 45]
+    kv, score = randn(tokens, width), randn(tokens, width)
+    ape = randn(ratio, width, dtype=torch.float32)
+    cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45]
+    key = host.extend_problem(kv, ratio, coff, len(cu) - 1).key
+    assert bool(key.family == "window" and tokens > 256) == bool(getattr(key.knobs, "part", 0))
     start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
     slots = [2, 9, 5, 1, 3, 4, 6, 0]
     valid = [0, 2, 7]
