@@ -2,8 +2,8 @@
 
 The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
 configurations, dtypes and archs (csa::compressor's two directions and
-csa::compressor_extend's kernels: one per call size class for register windows, one for
-the streaming family), on any machine, without a GPU (cross-compiling). Ship the
+csa::compressor_extend's kernels: those each call size class launches for register
+windows, one for the streaming family), on any machine, without a GPU (cross-compiling). Ship the
 directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
 those configurations and never compiles. It also builds the native launch library
 (``csa_ops.native``) for this machine's torch into the same directory; a machine with another
