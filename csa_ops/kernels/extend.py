@@ -57,7 +57,9 @@ def _build(key: KernelKey):
     # as keep registers at the forward's.
     group = W if part == 1 else max(1, min(W, 32 // (C * V)))
     load_window, _, _ = window._window_io(g)
-    smem_bytes = (W * g.cvc * V + 2 * g.rpc + 2 * warps) * 4 + 64
+    # Per-warp partial sums: Batch.row_sums keeps two per warp (request_rows), Batch.scan one.
+    warp_sums = 2 * warps if key.knobs.request_rows else warps
+    smem_bytes = (W * g.cvc * V + 2 * g.rpc + warp_sums) * 4 + 64
 
     def slot_offset(slot, cv):
         """Element offset of column vector cv in entry 0 of a state slot."""
@@ -333,7 +335,7 @@ def _build(key: KernelKey):
         sApe = smem.allocate_tensor(Float32, window._ape_layout(g), 16)
         sReq = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
-        sWarp = smem.allocate_tensor(Int32, cute.make_layout(2 * warps), 4)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(warp_sums), 4)
         active = tid < g.threads and (not g.ragged_cols or cv < g.tpr)
 
         # A request's first row issues its window loads before the scan (latency); a split
