@@ -27,6 +27,7 @@ import bench_serving
 import timing
 import torch
 
+import csa_ops
 from csa_ops import host
 from csa_ops.config import parse_knobs, with_knobs
 from csa_ops.kernels import extend_plan
@@ -40,11 +41,42 @@ def parse_args(argv=None):
     p.add_argument("--config", default="d512_r4c2", choices=sorted(bench_serving.CONFIGS))
     p.add_argument("--batches", default="1,64,256,1024", help="decode batch sizes")
     p.add_argument("--prefill-tokens", default="2048", help="new tokens per request (list)")
+    p.add_argument("--mixed", default="",
+                   help="decode requests batched ahead of one prefill request of the first "
+                        "--prefill-tokens (list; prefill cases)")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("time_extend.py needs a CUDA device")
     return args
+
+
+def mixed_case(serving, head_dim: int, ratio: int, coff: int, decodes: int,
+               tokens: int) -> dict:
+    """`decodes` one-token requests, then one request continuing from position 1000 by
+    `tokens`: an engine's mixed step (decodes first, as vLLM orders them). Random state:
+    the variants are checked against each other, not against a reference."""
+    gen, dev, width = torch.Generator().manual_seed(2), serving.device, coff * head_dim
+    batch = decodes + 1
+    lengths = [1] * decodes + [tokens]
+    starts = [2 * ratio + i % ratio for i in range(decodes)] + [1000]
+    nbytes = 2 * sum(lengths) * width * serving.dtype.itemsize
+    sets = timing.num_input_sets(nbytes, dev, cap=8)
+    state = csa_ops.CompressorState(sets * batch, ratio, coff, head_dim,
+                                                  serving.dtype, dev)
+    state.kv.copy_(bench_serving._randn(gen, state.kv.shape, serving.dtype, dev))
+    state.score.copy_(bench_serving._randn(gen, state.score.shape, torch.float32, dev, 2.0))
+    cu, _ = csa_ops.offsets_for(lengths, ratio, dev)
+    return {"kv": [bench_serving._randn(gen, (sum(lengths), width), serving.dtype, dev)
+                   for _ in range(sets)],
+            "score": [bench_serving._randn(gen, (sum(lengths), width), serving.dtype, dev, 2.0)
+                      for _ in range(sets)],
+            "ape": bench_serving._randn(gen, (ratio, width), torch.float32, dev, 0.5),
+            "cu": cu, "start": torch.tensor(starts, dtype=torch.int32, device=dev),
+            "slots": [torch.randperm(batch, generator=gen).int().to(dev) + j * batch
+                      for j in range(sets)],
+            "state": state, "sets": sets,
+            "rows": sum((p + n) // ratio - p // ratio for p, n in zip(starts, lengths))}
 
 
 def _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms):
@@ -127,13 +159,18 @@ def main(argv=None) -> None:
         case = bench_serving.prefill_case(serving, head_dim, ratio, coff)
         cases.append((f"prefill 4x{tokens}", True, case, case["state"].kv, case["state"].score,
                       case["rows"], len(bench_serving.PREFILL_STARTS)))
+    for decodes in (int(d) for d in args.mixed.split(",") if d):
+        tokens = int(args.prefill_tokens.split(",")[0])
+        case = mixed_case(serving, head_dim, ratio, coff, decodes, tokens)
+        cases.append((f"mixed {decodes}+1x{tokens}", True, case, case["state"].kv,
+                      case["state"].score, case["rows"], decodes + 1))
     for name, prefill, case, kv_state, score_state, num_rows, batch in cases:
         steps = {label: _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms)
                  for label, key in keys.items() if label.startswith("p") == prefill}
         if not steps:
             continue
         _check(name, steps, kv_state, score_state)
-        if prefill:
+        if prefill and "train_rows" in case:
             steps["training fwd"] = bench_serving.prefill_steps(case)["training forward"]
         time_case(name, steps, args.rounds, case["sets"])
 
