@@ -6,12 +6,14 @@
 
 Each variant is LABEL:KNOBS, the register-window forward key of --config with those knobs
 (csa_ops.config.parse_knobs; part=1 runs a split call's two launches). Labels starting with
-"p" run the prefill cases (4 requests continuing from state, bench_serving.py's), the others
-the decode steps. Every key is launched directly (host.launch_key) on the same inputs; its
-rows, cu_seqlens_comp and new state must equal the first variant's bit for bit. Then rounds
-of CUDA-graph replays (--rounds, every variant in each round, so drift hits all alike) and,
-in the first three rounds, the profiler's kernel time (a split call's: the sum of its two
-launches' durations, which overlap). The training forward joins the prefill cases.
+"p" run the prefill cases (4 requests continuing from state, bench_serving.py's), the
+others the decode steps; --mixed adds prefill cases of D decode requests batched ahead of
+one request continuing by the first --prefill-tokens (an engine's mixed step). Every key is
+launched directly (host.launch_key) on the same inputs; its rows, cu_seqlens_comp and new
+state must equal the first variant's bit for bit. Then rounds of CUDA-graph replays
+(--rounds, every variant in each round, so drift hits all alike) and, in the first three
+rounds, the profiler's kernel time (a split call's: the sum of its two launches' durations,
+which overlap). The training forward joins the prefill cases.
 """
 
 from __future__ import annotations
