@@ -80,11 +80,17 @@ class WindowKnobs(_Knobs):
     # 2, its row items, which start without waiting for the first (PDL, kernels/extend.py)
     # and so run beside it, at the forward's registers per thread.
     part: int = 0
+    # csa::compressor_extend only, split calls of at most 32 requests: each warp of part 2
+    # holds the batch in its lanes and finds its rows' requests by shuffles, with no batch
+    # scan, barrier or reload (kernels/extend.py); else part 2 scans the batch per CTA.
+    lane_requests: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.part not in (0, 1, 2):
             raise ValueError(f"WindowKnobs.part must be 0, 1 or 2, got {self.part!r}")
+        if self.lane_requests and not self.part:
+            raise ValueError("WindowKnobs.lane_requests needs a split call (part 1 or 2)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,8 @@ def test_rows_pool_with_the_forward_operations(cfg):
     forward = extend_plan.configure(*cfg, "sm_90a")
     parts = extend_plan.launches(extend_plan.for_size(forward, 1))
     assert parts == (with_knobs(forward, part=1), with_knobs(forward, part=2))
+    parts += extend_plan.launches(extend_plan.for_size(forward, extend_plan.FEW_LARGE))[1:]
+    assert parts[2] == with_knobs(forward, part=2, lane_requests=True)
     for key in extend_plan.keys(forward):
         sites = {0: forward.coff + 1, 1: forward.coff, 2: 1}[key.knobs.part]
         ext = host.ptx("ext", key)
@@ -142,6 +144,15 @@ def test_plan_covers_requests_then_rows():
     assert extend_plan.launches(with_knobs(key, part=2)) == (requests, rows)
     with pytest.raises(ValueError, match="part must be 0, 1 or 2"):
         with_knobs(key, part=3)
+    # Row items by lanes: the same first part; the second takes at most a warp's requests.
+    lanes = with_knobs(key, part=1, lane_requests=True)
+    assert extend_plan.launches(lanes) == (requests, with_knobs(rows, lane_requests=True))
+    by_lanes = extend_plan.launches(lanes)[1]
+    assert extend_plan.plan(by_lanes, 32, 64, 132) == extend_plan.plan(rows, 32, 64, 132)
+    with pytest.raises(ValueError, match="at most 32 requests in a warp's lanes, got 33"):
+        extend_plan.plan(by_lanes, 33, 64, 132)
+    with pytest.raises(ValueError, match="lane_requests needs a split call"):
+        with_knobs(key, lane_requests=True)
     # Streaming: column blocks times item groups, at most MAX_ROWS items per CTA.
     key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
     blocks = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
@@ -179,11 +190,15 @@ def test_argument_table_of_the_extend_kernel():
 
 def test_call_size_classes_pick_the_measured_launch_shapes():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
-    sizes = (0, 1, 256, 257, 2048, 2049, 10**6)
-    assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 1, 1]
+    sizes = (0, 1, 256, 257, 2048, 4095, 4096, 10**6)
+    few = extend_plan.FEW_LARGE
+    assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 1, few, few]
+    # Row items by lanes only for batches a warp holds.
+    assert [extend_plan.size_class(4096, b) for b in (1, 32, 33)] == [few, few, 1]
     # As many tokens as requests: a decode step, whatever the size.
     assert {extend_plan.size_class(n, n) for n in sizes} == {extend_plan.STEP}
-    decode, larger = (extend_plan.for_size(forward, size) for size in range(2))
+    decode, larger, few_large = (extend_plan.for_size(forward, size) for size in range(3))
+    assert few_large == with_knobs(forward, part=1, lane_requests=True)
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
     assert decode.knobs.preload_decode and not (larger.knobs.preload_decode or
                                                 forward.knobs.preload_decode)
@@ -193,7 +208,8 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
     assert not any(key.knobs.request_rows for key in (decode, larger))
     assert not any(key.knobs.part for key in (decode, step))
     rows = with_knobs(forward, part=2)
-    assert extend_plan.keys(forward) == (decode, larger, rows, step)
+    by_lanes = with_knobs(rows, lane_requests=True)
+    assert extend_plan.keys(forward) == (decode, larger, rows, by_lanes, step)
     for key in extend_plan.keys(forward):  # only launch knobs differ from the forward's
         assert dataclasses.replace(key, knobs=forward.knobs) == forward
         assert extend_plan.supports(key)

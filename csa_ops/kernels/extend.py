@@ -16,7 +16,8 @@ A split call (the `part` knob) is two launches of this kernel: part 1 has the re
 items, part 2 the row items. The row items read no state and write only their own rows, and
 the requests' items hold windows in registers across the scan: apart, the row items run at
 the forward's registers per thread, and part 2 starts without waiting for part 1 (PDL; it
-waits at its end instead), so the two overlap.
+waits at its end instead), so the two overlap. A split call of at most 32 requests
+(lane_requests) runs its row items through `lane_rows`, whose warps hold the whole batch.
 """
 
 from __future__ import annotations
@@ -117,6 +118,21 @@ def _build(key: KernelKey):
                     rL[i, k] = cm.add_rn(Float32(rSc[i, k]), sApe[k, cvl * V + i])
 
     @cute.jit
+    def stage_ape(p_ape, sApe, by, tid):
+        """The CTA's column chunk of ape, (W, cvc*V) fp32, as the forward stages it, over all
+        `nt` threads; the caller's barrier publishes it."""
+        for kk in cutlass.range_constexpr(-(-(W * g.cvc) // nt)):
+            idx = tid + kk * nt
+            k = idx // g.cvc
+            c = idx % g.cvc
+            col_v = by * g.cvc + c
+            if idx < W * g.cvc and (not g.ragged_cols or col_v < g.tpr):
+                src = cute.assume(ape_row(k) + col_v * V, divby=V)
+                dst = cute.assume(k * (g.cvc * V) + c * V, divby=V)
+                cute.autovec_copy(cute.make_tensor(p_ape + src, V),
+                                  cute.make_tensor(sApe.iterator + dst, V))
+
+    @cute.jit
     def store_row(p_out, rO, n, cv):
         off = cute.assume(Int64(n) * D + cv * V, divby=V)
         cute.autovec_copy(rO, cute.make_tensor(p_out + off, V))
@@ -152,6 +168,11 @@ def _build(key: KernelKey):
         rKV = cute.make_rmem_tensor((V, W), g.dtype)
         rS = cute.make_rmem_tensor((V, W), g.dtype)
         load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+        pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl)
+
+    @cute.jit
+    def pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl):
+        """body_row's pooling and store, of a window load_window loaded."""
         rO = cute.make_rmem_tensor((V,), g.dtype)
         for i in cutlass.range_constexpr(V):
             if cutlass.const_expr(g.fast_exp):
@@ -369,17 +390,7 @@ def _build(key: KernelKey):
                 preload_decode(p_kv, p_score, p_kvs, p_ss, rNK, rNS, rMK, rML, tok0, slot, heads,
                                cv)
 
-        # The CTA's column chunk of ape, (W, cvc*V) fp32, as the forward stages it.
-        for kk in cutlass.range_constexpr(-(-(W * g.cvc) // nt)):
-            idx = tid + kk * nt
-            k = idx // g.cvc
-            c = idx % g.cvc
-            col_v = by * g.cvc + c
-            if idx < W * g.cvc and (not g.ragged_cols or col_v < g.tpr):
-                src = cute.assume(ape_row(k) + col_v * V, divby=V)
-                dst = cute.assume(k * (g.cvc * V) + c * V, divby=V)
-                cute.autovec_copy(cute.make_tensor(p_ape + src, V),
-                                  cute.make_tensor(sApe.iterator + dst, V))
+        stage_ape(p_ape, sApe, by, tid)
         own_base = Int32(0)
         total = Int32(0)
         if cutlass.const_expr(request_rows):
@@ -492,14 +503,76 @@ def _build(key: KernelKey):
             if bid == cute.arch.grid_dim()[0] - 1:
                 cm.await_upstream(g.pdl)
 
+    @cute.kernel
+    def lane_rows(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_out, p_cuc,
+                  num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
+        """Part 2 of a split call of at most 32 requests (lane_requests), in the forward
+        kernel's order: find the row's request, load its window, stage ape, pool. Each warp
+        holds the whole batch in its lanes (Batch.hold_in_lanes), so a row's request and
+        first row come by shuffles: no batch scan, barrier or reload before the window
+        loads (the CTA-wide scan and placement cost part 2 9% more instructions than the
+        forward's binary search)."""
+        # As in `kernel`'s part 2: no wait here, the last CTA waits at its end.
+        cm.release_dependents(g.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        by = bid % g.ny
+        cvl = tid % g.cvc
+        cv = by * g.cvc + cvl
+        n = (bid // g.ny) * g.rpc + tid // g.cvc
+        cu = cute.make_tensor(p_cu, num_reqs + 1)
+        starts = cute.make_tensor(p_starts, num_reqs + 1)
+        slots = cute.make_tensor(p_slots, num_reqs + 1)
+        cuc = cute.make_tensor(p_cuc, num_reqs + 1)
+        smem = SmemAllocator()
+        sApe = smem.allocate_tensor(Float32, window._ape_layout(g), 16)
+        lane = tid % 32
+        held = batch.hold_in_lanes(cu, starts, slots, num_reqs, num_tokens, num_slots, lane)
+        _, _, _, _, rows_before, total = held
+        if bid == 0 and tid < 32:
+            if lane < num_reqs:
+                cuc[lane] = rows_before
+            if lane == 0:
+                cuc[num_reqs] = total
+        found, base, ok_b, tok_b, start_b, rows_b = batch.lane_of_row(n, held)
+        active = tid < g.threads and (not g.ragged_cols or cv < g.tpr) and n < num_rows
+        rKV = cute.make_rmem_tensor((V, W), g.dtype)
+        rS = cute.make_rmem_tensor((V, W), g.dtype)
+        pooled = cutlass.Boolean(False)
+        zero = cutlass.Boolean(active)  # padding, a row no request holds, an invalid one's
+        first = cutlass.Boolean(False)
+        if active and found:
+            h = n - base
+            if h < cutlass.min(rows_b, Int32(C)):  # a head row: part 1's
+                zero = cutlass.Boolean(False)
+            elif ok_b:
+                q = start_b // R + h
+                first = q == 0
+                pooled = cutlass.Boolean(True)
+                zero = cutlass.Boolean(False)
+                load_window(p_kv, p_score, rKV, rS, tok_b + (q * R - start_b), first, cv)
+        stage_ape(p_ape, sApe, by, tid)
+        cute.arch.sync_threads()
+        if pooled:
+            pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl)
+        if zero:
+            zero_row(p_out, n, cv)
+        if bid == cute.arch.grid_dim()[0] - 1:  # see `kernel`'s end
+            cm.await_upstream(g.pdl)
+
     @cute.jit
     def launch(p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
                p_cu: cute.Pointer, p_starts: cute.Pointer, p_slots: cute.Pointer,
                p_kvs: cute.Pointer, p_ss: cute.Pointer, p_out: cute.Pointer,
                p_cuc: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_reqs: Int32,
                num_slots: Int32, grid: Int32, stream: cuda.CUstream):
-        kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
-               num_tokens, num_rows, num_reqs, num_slots).launch(
+        if cutlass.const_expr(part == 2 and key.knobs.lane_requests):
+            launched = lane_rows(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_out, p_cuc,
+                                 num_tokens, num_rows, num_reqs, num_slots)
+        else:
+            launched = kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss,
+                              p_out, p_cuc, num_tokens, num_rows, num_reqs, num_slots)
+        launched.launch(
             grid=(grid * g.ny, 1, 1), block=(nt, 1, 1), smem=smem_bytes, stream=stream,
             use_pdl=g.pdl, min_blocks_per_mp=g.min_ctas,
             # a carveout spares the DSL a device query when min_ctas caps the registers

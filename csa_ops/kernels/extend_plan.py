@@ -51,16 +51,29 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # run: 4 x 256 / 1024 / 2048 / 8192 new tokens 7.35 / 10.69 / 15.46 / 46.9 us, against
 # 7.99 / 12.80 / 16.43 / 54.5 in one launch with the forward's knobs and 9.11 / 12.65 / 17.56
 # / 59.1 with its 256-thread CTAs (the training forward: 4.48 / 8.39 / 12.96 / 40.65).
-SIZE_LIMITS = (256,)  # new tokens: the largest call of each size class but the last
-STEP = len(SIZE_LIMITS) + 1  # the class of decode steps
+# Split calls of few requests (at most LANE_BATCH, the lanes of a warp) and at least
+# LANE_TOKENS new tokens place their row items by lanes (lane_requests): part 2 then runs as
+# fast as the training forward (ncu, 4 x 8192: 51.9 against 52.6 us, 27.7 M warp
+# instructions against 26.0 M; the batch scan's part 2 58.1 us, 28.3 M). Graph replay, one
+# run, 4 requests from state by 1024 / 2048 / 8192 tokens: 10.11 / 14.39 / 42.62 us against
+# 11.07 / 16.00 / 47.69 (training forward 8.33 / 13.09 / 40.98). Below LANE_TOKENS the first
+# part's chain of loads sets the call's time and part 2's earlier loads slow it: 4 x 256
+# 8.39 against 7.61, 15 decode requests and one of 2048 tokens 9.34 against 8.69.
+DECODE_SIZED = 256  # new tokens: the largest decode-sized call
+LANE_BATCH = 32
+LANE_TOKENS = 4096
+FEW_LARGE = 2  # the class of split calls whose rows go by lanes
+STEP = 3  # the class of decode steps
 
 
 def size_class(num_tokens: int, num_requests: int) -> int:
-    """0: decode-sized calls, 1: larger ones (by new tokens); STEP: decode steps, as many
-    new tokens as requests, whatever the size."""
+    """0: decode-sized calls (by new tokens), 1: larger ones, FEW_LARGE: larger still and of
+    few requests; STEP: decode steps, as many new tokens as requests, whatever the size."""
     if num_tokens == num_requests:
         return STEP
-    return sum(num_tokens > limit for limit in SIZE_LIMITS)
+    if num_tokens <= DECODE_SIZED:
+        return 0
+    return FEW_LARGE if num_tokens >= LANE_TOKENS and num_requests <= LANE_BATCH else 1
 
 
 def for_size(key: KernelKey, size: int) -> KernelKey:
@@ -74,14 +87,15 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
         return with_knobs(for_size(key, 0), request_rows=True)
     if size == 0:
         return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, preload_decode=True)
-    return from_forward(key, part=1)
+    return from_forward(key, part=1, lane_requests=size == FEW_LARGE)
 
 
 def launches(key: KernelKey) -> tuple[KernelKey, ...]:
     """The kernels one call of extend key `key` launches, in order: itself, or a split call's
     two parts (requests' items, then row items)."""
     if key.family == "window" and key.knobs.part:
-        return with_knobs(key, part=1), with_knobs(key, part=2)
+        # Part 1 is the same kernel either way: one key for it.
+        return with_knobs(key, part=1, lane_requests=False), with_knobs(key, part=2)
     return (key,)
 
 
@@ -105,6 +119,9 @@ def plan(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> Laun
     streaming_plan.plan_extend."""
     if key.family == "streaming":
         return streaming_plan.plan_extend(key, num_requests, num_rows, num_sms)
+    if key.knobs.lane_requests and key.knobs.part == 2 and num_requests > LANE_BATCH:
+        raise ValueError(f"{key!r} holds at most {LANE_BATCH} requests in a warp's lanes, "
+                         f"got {num_requests}")
     g = window_plan.geometry(key)
     if key.knobs.request_rows or key.knobs.part == 1:
         items = num_requests

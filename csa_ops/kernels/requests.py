@@ -1,7 +1,8 @@
 """Device helpers of csa::compressor_extend shared by its two kernels (extend.py for register
 windows, streaming.py for large ones): a request's validity and row count as the reference
-defines them, the batch's row offsets by one block-wide scan, and the two sums a CTA whose
-requests pool their own rows needs instead.
+defines them, the batch's row offsets by one block-wide scan, the two sums a CTA whose
+requests pool their own rows needs instead, and, for batches of at most 32 requests, the
+whole batch held in one warp's lanes.
 
 A request is `ok` when its tokens lie in [0, num_tokens), its slot in [0, num_slots),
 0 <= start and start + length fits int32. Other requests still count their rows (the
@@ -55,11 +56,7 @@ class Batch:
         for b in cutlass.range(b_lo, b_hi, unroll=4):  # unrolled: the loads overlap
             local = local + self.count(starts[b], cu[b + 1] - cu[b])
         lane = tid % 32
-        incl = local
-        for j in cutlass.range_constexpr(5):
-            up = cute.arch.shuffle_sync_up(incl, 1 << j)
-            if lane >= (1 << j):
-                incl = incl + up
+        incl = _warp_prefix(local, lane)
         if lane == 31:
             sWarp[tid // 32] = incl
         cute.arch.sync_threads()
@@ -71,6 +68,41 @@ class Batch:
                 running = running + part
             total = total + part
         return b_lo, b_hi, running, total
+
+    @cute.jit
+    def hold_in_lanes(self, cu, starts, slots, b_count, num_tokens, num_slots, lane):
+        """A batch of at most 32 requests held by one warp, no barrier: lane b gets request
+        b's (ok, first token, start, rows) and the rows before it (int32, wrapping like the
+        reference's cast); also the batch's rows. Lanes past the batch hold empty requests
+        that start at the total."""
+        ok = cutlass.Boolean(False)
+        tok0 = Int32(0)
+        start = Int32(0)
+        rows = Int32(0)
+        if lane < b_count:
+            ok, tok0, start, _, _, rows = self.request(cu, starts, slots, lane, num_tokens,
+                                                       num_slots)
+        incl = _warp_prefix(rows, lane)
+        return ok, tok0, start, rows, incl - rows, cute.arch.shuffle_sync(incl, 31)
+
+    @cute.jit
+    def lane_of_row(self, n, held):
+        """(found, first row, ok, first token, start, rows) of the request whose rows hold
+        output row n, from hold_in_lanes' values `held` (shuffles only; every lane takes
+        part, each with its own n). A binary search finds the last lane whose rows start at
+        or before n; found checks that its rows hold n (they may not where the int32 count
+        wraps, or n lies past the batch's rows)."""
+        ok, tok0, start, rows, before, _ = held
+        lane = Int32(0)
+        for j in cutlass.range_constexpr(5):
+            probe = lane + (16 >> j)
+            if cute.arch.shuffle_sync(before, probe) <= n:
+                lane = probe
+        first = cute.arch.shuffle_sync(before, lane)
+        rows_b = cute.arch.shuffle_sync(rows, lane)
+        found = Int64(first) <= Int64(n) and Int64(n) < Int64(first) + Int64(rows_b)
+        return (found, first, cute.arch.shuffle_sync(Int32(ok), lane) != 0,
+                cute.arch.shuffle_sync(tok0, lane), cute.arch.shuffle_sync(start, lane), rows_b)
 
     @cute.jit
     def row_sums(self, cu, starts, num_reqs, limit, tid, sWarp):
@@ -96,3 +128,14 @@ class Batch:
             below = below + sWarp[w]
             total = total + sWarp[self.warps + w]
         return below, total
+
+
+@cute.jit
+def _warp_prefix(value, lane):
+    """Inclusive prefix sum of `value` over the lanes of a warp."""
+    incl = value
+    for j in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(incl, 1 << j)
+        if lane >= (1 << j):
+            incl = incl + up
+    return incl

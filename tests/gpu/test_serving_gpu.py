@@ -72,6 +72,32 @@ def test_decode_batch_with_a_long_piece_and_padding(ratio, coff):
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1)])
+def test_long_calls_of_few_requests_place_rows_by_lanes(ratio, coff):
+    """Calls of at least LANE_TOKENS new tokens and at most LANE_BATCH requests run their
+    row items through the lanes kernel: a prefill, then a call continuing two requests from
+    state beside a short and a one-token request, then padding rows. Bitwise against the
+    CUDA csa::compressor over the whole sequences."""
+    from csa_ops import host
+    from csa_ops.kernels import extend_plan
+
+    lengths = (5000, 4200, 37, 1)
+    schedule = [[(0, 2100), (1, 2000)], [(0, 2900), (1, 2200), (2, 37), (3, 1)]]
+    req = make_requests(lengths, ratio, coff, 128, torch.bfloat16, device="cuda", seed=6)
+    for call in schedule:
+        tokens = sum(n for _, n in call)
+        problem = host.extend_problem(req.kv[0].new_empty(tokens, req.width), ratio, coff,
+                                      len(call))
+        assert problem.key.knobs.lane_requests, call
+        assert extend_plan.size_class(tokens, len(call)) == extend_plan.FEW_LARGE
+    slot_of = permuted_slots(len(lengths), len(lengths) + 2, 6)
+    state = CompressorState(len(lengths) + 2, ratio, coff, 128, torch.bfloat16, "cuda")
+    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=3)
+    assert consumed == list(lengths)
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1), (2, 2)])
 def test_one_token_per_request_calls_with_uneven_pieces(ratio, coff):
     """Calls with as many new tokens as requests take the decode-step kernel, in which each
@@ -158,22 +184,25 @@ def test_decode_graph_replays_match_eager_bitwise(ratio, coff):
     assert_bitwise_equal(state.score, eager.score, "score_state")
 
 
+@pytest.mark.parametrize("piece", [150, 1400], ids=("scan", "lanes"))
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1)])
-def test_split_calls_in_one_graph_match_eager_bitwise(ratio, coff):
+def test_split_calls_in_one_graph_match_eager_bitwise(ratio, coff, piece):
     """Calls past the decode-sized class run as two launches whose second starts without
     waiting for the first (PDL): three chunked-prefill calls captured back to back in one
-    graph, each continuing the state the one before it wrote, equal eager calls bitwise."""
+    graph, each continuing the state the one before it wrote, equal eager calls bitwise.
+    With 3 x 1400 new tokens the row items go by lanes."""
     from csa_ops import host
 
     gen = torch.Generator(device="cuda").manual_seed(12)
-    batch, piece, head_dim, num_slots, calls = 3, 150, 256, 5, 3
+    batch, head_dim, num_slots, calls = 3, 256, 5, 3
     width = coff * head_dim
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
     pieces = [(randn(batch * piece, width), randn(batch * piece, width)) for _ in range(calls)]
-    assert host.extend_problem(pieces[0][0], ratio, coff, batch).key.knobs.part == 1
+    knobs = host.extend_problem(pieces[0][0], ratio, coff, batch).key.knobs
+    assert (knobs.part, knobs.lane_requests) == (1, piece == 1400)
     ape = randn(ratio, width, dtype=torch.float32)
     cu = torch.arange(0, (batch + 1) * piece, piece, dtype=torch.int32, device="cuda")
     first = torch.tensor([0, 7, 1001], dtype=torch.int32, device="cuda")
@@ -331,7 +360,7 @@ def test_state_the_kernel_cannot_take_runs_the_reference():
         assert_bitwise_equal(ss_view, state.score, "score_state")
 
 
-@pytest.mark.parametrize("tokens", [48, 300], ids=("one_launch", "split"))
+@pytest.mark.parametrize("tokens", [48, 300, 4200], ids=("one_launch", "split", "lanes"))
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2), (16, 1)])
 def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
@@ -352,6 +381,8 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45]
     key = host.extend_problem(kv, ratio, coff, len(cu) - 1).key
     assert bool(key.family == "window" and tokens > 256) == bool(getattr(key.knobs, "part", 0))
+    assert bool(key.family == "window" and tokens >= 4096) == getattr(key.knobs,
+                                                                      "lane_requests", False)
     start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
     slots = [2, 9, 5, 1, 3, 4, 6, 0]
     valid = [0, 2, 7]
