@@ -53,6 +53,7 @@ CASES = (
     ("window", 3, 2, 65, "float16", "e", {"request_rows": 1}),
     ("window", 4, 2, 512, "bfloat16", "e", {"part": 1}),
     ("window", 4, 2, 512, "bfloat16", "e", {"part": 2}),
+    ("window", 4, 2, 512, "bfloat16", "e", {"part": 2, "lane_requests": 1}),
     ("window", 3, 2, 65, "float16", "e", {"part": 2}),
     ("window", 4, 1, 256, "float16", "e", {}),
     ("window", 5, 2, 65, "float32", "e", {}),

@@ -190,11 +190,11 @@ def test_argument_table_of_the_extend_kernel():
 
 def test_call_size_classes_pick_the_measured_launch_shapes():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
-    sizes = (0, 1, 256, 257, 2048, 4095, 4096, 10**6)
+    sizes = (0, 1, 256, 257, 2048, 3071, 3072, 10**6)
     few = extend_plan.FEW_LARGE
     assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 1, few, few]
     # Row items by lanes only for batches a warp holds.
-    assert [extend_plan.size_class(4096, b) for b in (1, 32, 33)] == [few, few, 1]
+    assert [extend_plan.size_class(3072, b) for b in (1, 32, 33)] == [few, few, 1]
     # As many tokens as requests: a decode step, whatever the size.
     assert {extend_plan.size_class(n, n) for n in sizes} == {extend_plan.STEP}
     decode, larger, few_large = (extend_plan.for_size(forward, size) for size in range(3))

@@ -54,14 +54,16 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # Split calls of few requests (at most LANE_BATCH, the lanes of a warp) and at least
 # LANE_TOKENS new tokens place their row items by lanes (lane_requests): part 2 then runs as
 # fast as the training forward (ncu, 4 x 8192: 51.9 against 52.6 us, 27.7 M warp
-# instructions against 26.0 M; the batch scan's part 2 58.1 us, 28.3 M). Graph replay, one
-# run, 4 requests from state by 1024 / 2048 / 8192 tokens: 10.11 / 14.39 / 42.62 us against
-# 11.07 / 16.00 / 47.69 (training forward 8.33 / 13.09 / 40.98). Below LANE_TOKENS the first
-# part's chain of loads sets the call's time and part 2's earlier loads slow it: 4 x 256
-# 8.39 against 7.61, 15 decode requests and one of 2048 tokens 9.34 against 8.69.
+# instructions against 26.0 M; with the batch scan 58.1 us, 28.3 M). Graph replay, one run,
+# 4 requests from state by 768 / 1024 / 2048 new tokens each: 9.60 / 9.82 / 14.85 us against
+# 9.89 / 10.38 / 15.53 with the batch scan (training forward 7.44 / 8.66 / 12.99); another
+# run, 4 x 8192: 42.62 against 47.69 (forward 40.98). Below LANE_TOKENS the first part's
+# chain of loads sets the call's time and part 2's earlier loads slow it down: 4 x 256 / 512
+# 7.42 / 9.27 against 6.89 / 8.47; 7 and 31 decode requests beside one request of 2048 new
+# tokens 8.25 / 9.69 against 7.69 / 8.96.
 DECODE_SIZED = 256  # new tokens: the largest decode-sized call
 LANE_BATCH = 32
-LANE_TOKENS = 4096
+LANE_TOKENS = 3072
 FEW_LARGE = 2  # the class of split calls whose rows go by lanes
 STEP = 3  # the class of decode steps
 

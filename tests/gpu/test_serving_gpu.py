@@ -366,8 +366,10 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
     or reversed) get zero rows and leave every slot alone; the valid ones in the same batch
     match a clean call; cu_seqlens_comp counts rows as the reference does. With 300 tokens
-    the register-window calls split into two launches (the clean call's 24 do not)."""
+    the register-window calls split into two launches (the clean call's 24 do not), with
+    4200 their row items go by lanes."""
     from csa_ops import host
+    from csa_ops.kernels import extend_plan
 
     head_dim, num_slots, int32_max = 64, 8, 2**31 - 1
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -381,8 +383,8 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45]
     key = host.extend_problem(kv, ratio, coff, len(cu) - 1).key
     assert bool(key.family == "window" and tokens > 256) == bool(getattr(key.knobs, "part", 0))
-    assert bool(key.family == "window" and tokens >= 4096) == getattr(key.knobs,
-                                                                      "lane_requests", False)
+    lanes = key.family == "window" and tokens >= extend_plan.LANE_TOKENS
+    assert lanes == getattr(key.knobs, "lane_requests", False)
     start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
     slots = [2, 9, 5, 1, 3, 4, 6, 0]
     valid = [0, 2, 7]
