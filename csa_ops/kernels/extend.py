@@ -117,6 +117,11 @@ def _build(key: KernelKey):
                 for i in cutlass.range_constexpr(V):
                     rL[i, k] = cm.add_rn(Float32(rSc[i, k]), sApe[k, cvl * V + i])
 
+    def batch_views(p_cu, p_starts, p_slots, p_cuc, num_reqs):
+        """cu_seqlens, start_pos, slots and cu_seqlens_comp as tensors (num_reqs + 1 long:
+        the bound only shapes the view, indices are the kernel's to keep in range)."""
+        return tuple(cute.make_tensor(p, num_reqs + 1) for p in (p_cu, p_starts, p_slots, p_cuc))
+
     @cute.jit
     def stage_ape(p_ape, sApe, by, tid):
         """The CTA's column chunk of ape, (W, cvc*V) fp32, as the forward stages it, over all
@@ -348,10 +353,7 @@ def _build(key: KernelKey):
         if cutlass.const_expr(part == 2):
             item0 = item0 + num_reqs  # row items only
         item = item0 + ry  # < num_reqs: request `item`; else output row item - num_reqs
-        cu = cute.make_tensor(p_cu, num_reqs + 1)
-        starts = cute.make_tensor(p_starts, num_reqs + 1)
-        slots = cute.make_tensor(p_slots, num_reqs + 1)
-        cuc = cute.make_tensor(p_cuc, num_reqs + 1)
+        cu, starts, slots, cuc = batch_views(p_cu, p_starts, p_slots, p_cuc, num_reqs)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, window._ape_layout(g), 16)
         sReq = smem.allocate_tensor(Int32, cute.make_layout(g.rpc), 4)
@@ -520,10 +522,7 @@ def _build(key: KernelKey):
         cvl = tid % g.cvc
         cv = by * g.cvc + cvl
         n = (bid // g.ny) * g.rpc + tid // g.cvc
-        cu = cute.make_tensor(p_cu, num_reqs + 1)
-        starts = cute.make_tensor(p_starts, num_reqs + 1)
-        slots = cute.make_tensor(p_slots, num_reqs + 1)
-        cuc = cute.make_tensor(p_cuc, num_reqs + 1)
+        cu, starts, slots, cuc = batch_views(p_cu, p_starts, p_slots, p_cuc, num_reqs)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, window._ape_layout(g), 16)
         lane = tid % 32
