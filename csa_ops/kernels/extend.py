@@ -318,6 +318,24 @@ def _build(key: KernelKey):
         hi = cutlass.min(Int64(base) + Int64(rows), Int64(num_rows))
         return Int32(cutlass.min(lo, hi)), Int32(hi)
 
+    def block_token(q, start, tok0):
+        """The new token that begins block q of a request whose new tokens start at
+        position `start` (token tok0)."""
+        return tok0 + (q * R - start)
+
+    def is_head_row(h, rows):
+        """Whether a request's row h is one of its first coff, which its own item pools."""
+        return h < cutlass.min(rows, Int32(C))
+
+    @cute.jit
+    def complete_after_first_part(bid):
+        """A split call's second launch waited for nothing at its start: its grid must
+        complete after part 1, so that a grid that waits on it sees both. One CTA waiting
+        suffices; the last one, because waiting holds its SM slot, which in any earlier
+        CTA would keep row items waiting behind it."""
+        if bid == cute.arch.grid_dim()[0] - 1:
+            cm.await_upstream(g.pdl)
+
     @cute.jit
     def pool_later_rows(p_kv, p_score, p_out, sApe, base, rows, q0, start, tok0, num_rows, cv,
                         cvl):
@@ -326,7 +344,7 @@ def _build(key: KernelKey):
         lo, hi = later_rows(base, rows, num_rows)
         for n in cutlass.range(lo, hi, unroll=1):
             q = q0 + (n - base)
-            body_row(p_kv, p_score, p_out, sApe, n, q, tok0 + (q * R - start), cv, cvl)
+            body_row(p_kv, p_score, p_out, sApe, n, q, block_token(q, start, tok0), cv, cvl)
 
     @cute.jit
     def zero_rows(p_out, lo, hi, step, cv):
@@ -491,19 +509,15 @@ def _build(key: KernelKey):
                                                                            num_tokens,
                                                                            num_slots)
                         h = n - sBase[ry]
-                        if h >= cutlass.min(rows_b, Int32(C)):  # else the request's item
+                        if not is_head_row(h, rows_b):  # else the request's item
                             if ok_b and h < rows_b:
                                 q = start_b // R + h
                                 body_row(p_kv, p_score, p_out, sApe, n, q,
-                                         tok_b + (q * R - start_b), cv, cvl)
+                                         block_token(q, start_b, tok_b), cv, cvl)
                             else:
                                 zero_row(p_out, n, cv)
-        if cutlass.const_expr(part == 2):  # noqa: SIM102 (compile-time, then run-time test)
-            # This grid completes after part 1, so a grid that waits on it sees both: one
-            # CTA waiting suffices. The last one: waiting holds its SM slot, which in any
-            # earlier CTA would keep row items waiting behind it.
-            if bid == cute.arch.grid_dim()[0] - 1:
-                cm.await_upstream(g.pdl)
+        if cutlass.const_expr(part == 2):
+            complete_after_first_part(bid)
 
     @cute.kernel
     def lane_rows(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_out, p_cuc,
@@ -514,7 +528,7 @@ def _build(key: KernelKey):
         first row come by shuffles: no batch scan, barrier or reload before the window
         loads (the CTA-wide scan and placement cost part 2 9% more instructions than the
         forward's binary search)."""
-        # As in `kernel`'s part 2: no wait here, the last CTA waits at its end.
+        # As in `kernel`'s part 2: no wait here (complete_after_first_part at the end).
         cm.release_dependents(g.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -542,22 +556,21 @@ def _build(key: KernelKey):
         first = cutlass.Boolean(False)
         if active and found:
             h = n - base
-            if h < cutlass.min(rows_b, Int32(C)):  # a head row: part 1's
+            if is_head_row(h, rows_b):  # part 1's
                 zero = cutlass.Boolean(False)
             elif ok_b:
                 q = start_b // R + h
                 first = q == 0
                 pooled = cutlass.Boolean(True)
                 zero = cutlass.Boolean(False)
-                load_window(p_kv, p_score, rKV, rS, tok_b + (q * R - start_b), first, cv)
+                load_window(p_kv, p_score, rKV, rS, block_token(q, start_b, tok_b), first, cv)
         stage_ape(p_ape, sApe, by, tid)
         cute.arch.sync_threads()
         if pooled:
             pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl)
         if zero:
             zero_row(p_out, n, cv)
-        if bid == cute.arch.grid_dim()[0] - 1:  # see `kernel`'s end
-            cm.await_upstream(g.pdl)
+        complete_after_first_part(bid)
 
     @cute.jit
     def launch(p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
