@@ -86,7 +86,7 @@ def _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms):
     rotation)."""
     sets, head_dim = case["sets"], key.head_dim
     num_tokens = case["kv"][0].shape[0]
-    launches = [(part, extend_plan.plan(part, batch, num_rows, num_sms).grid)
+    launches = [(part, extend_plan.plan(part, num_tokens, batch, num_rows, num_sms).grid)
                 for part in extend_plan.launches(key)]
     device = case["kv"][0].device
     out = torch.empty(num_rows, head_dim, dtype=case["kv"][0].dtype, device=device)

@@ -629,7 +629,8 @@ def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_request
     a = key.align_bytes
     # (kernel, its grid) per launch: one, or a split call's two parts
     launches = [(_launcher_for(problem._replace(key=part), "ext"),
-                 extend_plan.plan(part, num_requests, num_rows, problem.num_sms).grid)
+                 extend_plan.plan(part, num_tokens, num_requests, num_rows,
+                                  problem.num_sms).grid)
                 for part in extend_plan.launches(key)]
     stream, index = launcher.current_stream_handle, problem.device_index
     sizes = (num_tokens, num_rows, num_requests, num_slots)

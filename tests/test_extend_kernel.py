@@ -109,10 +109,13 @@ def test_streaming_rows_pool_with_the_forward_operations(cfg):
     # Two pooling sites (state-reading rows, rows of new tokens), each the forward's `_row`
     # with its logits read from the fp32 tile: the forward's operations twice, but for the
     # adds, where each site lacks the forward's kt*vec logit adds and the gathers (twice),
-    # the state update (per coff-half) and the one-warp update of requests that complete no
-    # block (once) add fp32(score) + ape once per entry and column.
+    # the state update (per coff-half) add fp32(score) + ape once per entry and column, and
+    # the subwarp update of requests that complete no block once per column of each of the
+    # QUIET_UNROLL pieces it loads before storing.
     # (Without the exact columns, parity 0: their code is shared too, but the compiler folds
     # a few of its selects differently at the two sites; test_cross_compile audits it.)
+    from csa_ops.kernels import streaming  # the DSL: host.ptx imports it anyway
+
     ratio, coff, head_dim, dtype = cfg
     key = with_knobs(host.select_key(ratio, coff, head_dim, dtype, "sm_90a", False), parity=0)
     assert key.family == "streaming"
@@ -124,23 +127,24 @@ def test_streaming_rows_pool_with_the_forward_operations(cfg):
     per_entry = -(-key.window * k.cv // k.threads) * k.vec
     adds = len(re.findall(r"\tadd.f32", fwd))
     assert len(re.findall(r"\tadd.f32", ext)) == (2 * (adds - k.kt * k.vec) + 2 * per_entry
-                                                 + key.coff * per_entry + k.vec)
+                                                 + key.coff * per_entry
+                                                 + streaming.QUIET_UNROLL * k.vec)
     assert "ld.local" not in ext and "st.local" not in ext
 
 
 def test_plan_covers_requests_then_rows():
     key = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
     rpc = window_plan.geometry(key).rpc
-    assert extend_plan.plan(key, 0, 0, 132) == LaunchPlan(grid=1)  # still writes cuc
-    assert extend_plan.plan(key, 256, 64, 132) == LaunchPlan(grid=-(-320 // rpc))
-    assert extend_plan.plan(key, 1, 0, 132) == LaunchPlan(grid=1)
+    assert extend_plan.plan(key, 4096, 0, 0, 132) == LaunchPlan(grid=1)  # still writes cuc
+    assert extend_plan.plan(key, 4096, 256, 64, 132) == LaunchPlan(grid=-(-320 // rpc))
+    assert extend_plan.plan(key, 4096, 1, 0, 132) == LaunchPlan(grid=1)
     # A split call: the requests' items, then the row items (at least one CTA: cuc).
     assert extend_plan.launches(key) == (key,)
     requests, rows = extend_plan.launches(with_knobs(key, part=1))
     assert (requests.knobs.part, rows.knobs.part) == (1, 2)
-    assert extend_plan.plan(requests, 256, 64, 132) == LaunchPlan(grid=-(-256 // rpc))
-    assert extend_plan.plan(rows, 256, 64, 132) == LaunchPlan(grid=-(-64 // rpc))
-    assert extend_plan.plan(rows, 3, 0, 132) == LaunchPlan(grid=1)
+    assert extend_plan.plan(requests, 4096, 256, 64, 132) == LaunchPlan(grid=-(-256 // rpc))
+    assert extend_plan.plan(rows, 4096, 256, 64, 132) == LaunchPlan(grid=-(-64 // rpc))
+    assert extend_plan.plan(rows, 4096, 3, 0, 132) == LaunchPlan(grid=1)
     assert extend_plan.launches(with_knobs(key, part=2)) == (requests, rows)
     with pytest.raises(ValueError, match="part must be 0, 1 or 2"):
         with_knobs(key, part=3)
@@ -148,18 +152,28 @@ def test_plan_covers_requests_then_rows():
     lanes = with_knobs(key, part=1, lane_requests=True)
     assert extend_plan.launches(lanes) == (requests, with_knobs(rows, lane_requests=True))
     by_lanes = extend_plan.launches(lanes)[1]
-    assert extend_plan.plan(by_lanes, 32, 64, 132) == extend_plan.plan(rows, 32, 64, 132)
+    assert extend_plan.plan(by_lanes, 4096, 32, 64, 132) == extend_plan.plan(rows, 4096, 32, 64, 132)
     with pytest.raises(ValueError, match="at most 32 requests in a warp's lanes, got 33"):
-        extend_plan.plan(by_lanes, 33, 64, 132)
+        extend_plan.plan(by_lanes, 4096, 33, 64, 132)
     with pytest.raises(ValueError, match="lane_requests needs a split call"):
         with_knobs(key, lane_requests=True)
-    # Streaming: column blocks times item groups, at most MAX_ROWS items per CTA.
+    # Streaming: column blocks times item groups, at most MAX_ROWS items per CTA. Items
+    # that pool windows run one after another in a CTA: up to EXTEND_WAVES waves of CTA
+    # slots (132 SMs x 2 CTAs / 8 blocks per wave), one item each where they reach.
     key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
     blocks = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
-    assert extend_plan.plan(key, 0, 0, 132) == LaunchPlan(grid=blocks)
-    assert extend_plan.plan(key, 3, 1, 132) == LaunchPlan(grid=4 * blocks)
-    many = extend_plan.plan(key, 10**6, 0, 132).grid // blocks
-    assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
+    assert (blocks, key.knobs.ctas, streaming_plan.EXTEND_WAVES) == (8, 2, 4)
+    assert extend_plan.plan(key, 8192, 4, 64, 132) == LaunchPlan(grid=68 * blocks)
+    assert extend_plan.plan(key, 8192, 200, 64, 132) == LaunchPlan(grid=132 * blocks)
+    # A decode step (as many tokens as requests): one wave, an odd number of groups.
+    assert extend_plan.plan(key, 1024, 1024, 1024, 132) == LaunchPlan(grid=33 * blocks)
+    assert extend_plan.plan(key, 256, 256, 256, 100) == LaunchPlan(grid=25 * blocks)
+    assert extend_plan.plan(key, 1, 1, 1, 132) == LaunchPlan(grid=blocks)
+    assert extend_plan.plan(key, 0, 0, 0, 132) == LaunchPlan(grid=blocks)  # writes cuc
+    assert extend_plan.plan(key, 10**5, 10**5, 10**5, 132) == LaunchPlan(grid=782 * blocks)
+    for tokens in (10**6, 10**7):
+        many = extend_plan.plan(key, tokens, 10**6, 0, 132).grid // blocks
+        assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
 
 
 def test_support_covers_both_families():
@@ -220,7 +234,7 @@ def test_requests_pool_their_own_rows_in_decode_step_grids():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
     step = extend_plan.for_size(forward, extend_plan.STEP)
     rpc = window_plan.geometry(step).rpc
-    assert extend_plan.plan(step, 256, 256, 132).grid == -(-256 // rpc)
-    assert extend_plan.plan(step, 0, 7, 132).grid == 1
+    assert extend_plan.plan(step, 256, 256, 256, 132).grid == -(-256 // rpc)
+    assert extend_plan.plan(step, 256, 0, 7, 132).grid == 1
     general = extend_plan.for_size(forward, 0)
-    assert extend_plan.plan(general, 256, 256, 132).grid == -(-512 // rpc)
+    assert extend_plan.plan(general, 256, 256, 256, 132).grid == -(-512 // rpc)

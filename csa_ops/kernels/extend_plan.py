@@ -112,7 +112,8 @@ def supports(key: KernelKey) -> bool:
     return window_plan.supports(key) or streaming_plan.supports(key)
 
 
-def plan(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
+def plan(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+         num_sms: int) -> LaunchPlan:
     """One launch of `key` (an entry of `launches`). Register windows: one CTA per `rpc`
     work items and column chunk; the items are each request's (its state), then each output
     row unless the key's requests pool their own rows; a split call's parts have the
@@ -120,7 +121,7 @@ def plan(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> Laun
     requests pool their own rows, writes cu_seqlens_comp. Streaming:
     streaming_plan.plan_extend."""
     if key.family == "streaming":
-        return streaming_plan.plan_extend(key, num_requests, num_rows, num_sms)
+        return streaming_plan.plan_extend(key, num_tokens, num_requests, num_rows, num_sms)
     if key.knobs.lane_requests and key.knobs.part == 2 and num_requests > LANE_BATCH:
         raise ValueError(f"{key!r} holds at most {LANE_BATCH} requests in a warp's lanes, "
                          f"got {num_requests}")

@@ -56,7 +56,7 @@ class Batch:
         for b in cutlass.range(b_lo, b_hi, unroll=4):  # unrolled: the loads overlap
             local = local + self.count(starts[b], cu[b + 1] - cu[b])
         lane = tid % 32
-        incl = _warp_prefix(local, lane)
+        incl = warp_prefix(local, lane)
         if lane == 31:
             sWarp[tid // 32] = incl
         cute.arch.sync_threads()
@@ -82,7 +82,7 @@ class Batch:
         if lane < b_count:
             ok, tok0, start, _, _, rows = self.request(cu, starts, slots, lane, num_tokens,
                                                        num_slots)
-        incl = _warp_prefix(rows, lane)
+        incl = warp_prefix(rows, lane)
         return ok, tok0, start, rows, incl - rows, cute.arch.shuffle_sync(incl, 31)
 
     @cute.jit
@@ -131,7 +131,7 @@ class Batch:
 
 
 @cute.jit
-def _warp_prefix(value, lane):
+def warp_prefix(value, lane):
     """Inclusive prefix sum of `value` over the lanes of a warp."""
     incl = value
     for j in cutlass.range_constexpr(5):

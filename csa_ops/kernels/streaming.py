@@ -25,9 +25,15 @@ from ..config import TYPES, KernelKey
 from . import common as cm
 from . import requests, torch_order
 from .reduce import launch_sum_parts
-from .streaming_plan import MAX_ROWS, RED_KINDS
+from .streaming_plan import MAX_ROWS, RED_KINDS, quiet_lanes
 
 _SUM_SPLIT = 16  # grad_ape sum: warps per CTA, each summing every 16th CTA partial
+QUIET_UNROLL = 4  # pieces of a quiet request's update loaded before their stores
+# An extend CTA's item table holds a row's request, or NO_REQUEST: a row no request holds
+# (padding: zeros), or ITEM_DONE: an item finished before the CTA's loop over its items (a
+# request whose quiet update ran, a head row, which its request's item pools).
+NO_REQUEST = -1
+ITEM_DONE = -2
 
 
 def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
@@ -714,7 +720,9 @@ class _StreamingExtend(_Streaming):
     Work items as in extend.py: per request, its state-reading rows (its first min(rows,
     coff)) and then its state update; then one per output row (windows of new tokens only;
     padding: zeros). A CTA owns a column block and a strided set of items; every CTA scans
-    the batch's row counts to place its items (requests.Batch). A row gathers its window
+    the batch's row counts to place its items (requests.Batch). Then its subwarps take the
+    items that need no more (requests that complete no block, padding rows) all at once,
+    and the whole CTA runs the rest one after another. A row gathers its window
     into the forward's tile, kv from the new tokens or the state, and logits into an fp32
     tile: fp32(score) + ape as the forward adds them (ape read from L2, not staged: a decode
     CTA needs a single entry of it), or the state's stored logit. It then pools through the
@@ -726,6 +734,7 @@ class _StreamingExtend(_Streaming):
     def __init__(self, key: KernelKey):
         super().__init__(key, backward=False)
         self.batch = requests.Batch(self.r, self.nt)
+        self.quiet_lanes = quiet_lanes(key)
 
     def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
         lg = cute.make_rmem_tensor((self.vec,), Float32)
@@ -792,9 +801,39 @@ class _StreamingExtend(_Streaming):
         cute.arch.barrier()  # the tile is free for the next row
 
     @cute.jit
+    def _zero_vector(self, gOut, n, colc):
+        """Zeros in column vector colc of output row n (none past the row)."""
+        if colc < self.ncv:
+            self._store(gOut[(None, (n, colc))], [Float32(0.0)] * self.vec)
+
+    @cute.jit
     def _zero_row(self, gOut, n, lane, cvw, wp, cb):
-        if lane == 0 and wp == 0 and cb * self.cv + cvw < self.ncv:
-            self._store(gOut[(None, (n, cb * self.cv + cvw))], [Float32(0.0)] * self.vec)
+        """Row n's zeros in this CTA's columns, by the whole CTA (a lane per column vector)."""
+        if lane == 0 and wp == 0:
+            self._zero_vector(gOut, n, cb * self.cv + cvw)
+
+    @cute.jit
+    def _list_pending(self, sItem, sList, sCount, ni, rg, groups, num_reqs, tid):
+        """sList[:sCount[0]]: the CTA's items (in order) that the whole CTA still runs, the
+        requests not marked done and the rows whose request pools them here. The first warp
+        takes 32 items at a time and a warp prefix sum places them; the caller's barrier
+        publishes the list."""
+        if tid < 32:
+            count = Int32(0)
+            for j0 in cutlass.range(0, ni, 32, unroll=1):
+                j = j0 + tid
+                keep = Int32(0)
+                if j < ni:
+                    if rg + j * groups < num_reqs:
+                        keep = Int32(sItem[j] != ITEM_DONE)
+                    else:
+                        keep = Int32(sItem[j] >= 0)
+                incl = requests.warp_prefix(keep, tid)
+                if keep != 0:
+                    sList[count + incl - 1] = j
+                count = count + cute.arch.shuffle_sync(incl, 31)
+            if tid == 0:
+                sCount[0] = count
 
     def _slot_entry(self, r, tid, cb, st1):
         """(entry, column vector, position) of a thread's r-th (entry, column vector) pair of
@@ -852,30 +891,44 @@ class _StreamingExtend(_Streaming):
                         self._store_initial(gKVs, gSs, dst, gc)
             cute.arch.barrier()
 
+    def _quiet_piece(self, u, tok0, start, st1, cb):
+        """(slot entry, token, state column, column vector, ape entry) of piece u of a quiet
+        update: the pieces run over the new tokens' (column vector, coff-half) pairs."""
+        per_entry = self.cv * self.co
+        e = start - st1 + u // per_entry
+        h = (u // self.cv) % self.co
+        colc = cb * self.cv + u % self.cv
+        return e, tok0 + (st1 + e - start), h * self.ncv + colc, colc, h * self.r + e % self.r
+
     @cute.jit
     def _quiet_update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, lane, cb):
         """`_update` for a request that completes no block (end // ratio == start // ratio,
-        a decode step's usual case), by one warp: no entry moves, so no store can clobber
-        another entry's source and no barrier is needed. Entry e holds position st1 + e:
-        the new tokens at [start, end) and, for coff 2 before the first block completes,
-        the initial state at negative positions; other entries stay."""
-        R, W, CV = self.r, self.w, self.cv
+        a decode step's usual case), by the quiet_lanes lanes of one subwarp (`lane` among
+        them): no entry moves, so no store can clobber another entry's source and no
+        barrier is needed. Entry e holds position st1 + e: the new tokens at [start, end)
+        and, for coff 2 before the first block completes, the initial state at negative
+        positions; other entries stay. QUIET_UNROLL pieces load before any stores, so a
+        longer request's loads overlap."""
+        R, W, CV, L, U = self.r, self.w, self.cv, self.quiet_lanes, QUIET_UNROLL
         st1 = (end // R - (self.co - 1)) * R
         per_entry = CV * self.co  # (column vector, coff-half) pairs of one entry
-        for u in cutlass.range(lane, (end - start) * per_entry, 32, unroll=1):
-            e = start - st1 + u // per_entry
-            h = (u // CV) % self.co
-            colc = cb * CV + u % CV
-            if colc < self.ncv:
-                t = tok0 + (st1 + e - start)
-                gc = h * self.ncv + colc
-                dst = slot * W + e
-                gKVs[(None, (dst, gc))].store(gKV[(None, (t, gc))].load())
-                gSs[(None, (dst, gc))].store(
-                    self._new_logits(gSc, gApe, t, gc, h * R + e % R, colc).load())
+        pieces = (end - start) * per_entry
+        for u0 in cutlass.range(lane, pieces, L * U, unroll=1):
+            rK = cute.make_rmem_tensor((self.vec, U), self.dtype)
+            rF = cute.make_rmem_tensor((self.vec, U), Float32)
+            for i in cutlass.range_constexpr(U):
+                e, t, gc, colc, k = self._quiet_piece(u0 + i * L, tok0, start, st1, cb)
+                if u0 + i * L < pieces and colc < self.ncv:
+                    rK[None, i].store(gKV[(None, (t, gc))].load())
+                    rF[None, i].store(self._new_logits(gSc, gApe, t, gc, k, colc).load())
+            for i in cutlass.range_constexpr(U):
+                e, t, gc, colc, k = self._quiet_piece(u0 + i * L, tok0, start, st1, cb)
+                if u0 + i * L < pieces and colc < self.ncv:
+                    gKVs[(None, (slot * W + e, gc))].store(rK[None, i].load())
+                    gSs[(None, (slot * W + e, gc))].store(rF[None, i].load())
         if const_expr(self.co == 2):
             for u in cutlass.range(lane, cutlass.min(cutlass.max(-st1, Int32(0)), Int32(W))
-                                   * per_entry, 32, unroll=1):
+                                   * per_entry, L, unroll=1):
                 e = u // per_entry
                 gc = ((u // CV) % self.co) * self.ncv + cb * CV + u % CV
                 if cb * CV + u % CV < self.ncv:
@@ -903,6 +956,8 @@ class _StreamingExtend(_Streaming):
         sItem = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
+        sList = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
+        sCount = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         # Items rg, rg + groups, ...: request b is item b, output row n item num_reqs + n.
         items = num_reqs + num_rows
@@ -910,7 +965,7 @@ class _StreamingExtend(_Streaming):
         if rg < items:
             ni = cutlass.min((items - rg + groups - 1) // groups, MAX_ROWS)
         for j in cutlass.range(tid, ni, self.nt, unroll=1):
-            sItem[j] = Int32(-1)
+            sItem[j] = Int32(NO_REQUEST)
         cute.arch.barrier()
         b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp)
         for b in cutlass.range(b_lo, b_hi, unroll=1):
@@ -925,29 +980,44 @@ class _StreamingExtend(_Streaming):
             lo = cutlass.min(cutlass.max(running, Int32(0)), num_rows)
             n0 = lo + ((rg - num_reqs - lo) % groups + groups) % groups
             hi = cutlass.min(running + rows_b, num_rows)
+            heads = cutlass.min(rows_b, Int32(C))
             for n in cutlass.range(n0, hi, groups, unroll=1):
                 j = (num_reqs + n - rg) // groups
                 if j < ni:
                     sItem[j] = b
+                    if n - running < heads:
+                        sItem[j] = ITEM_DONE
                     sBase[j] = running
             running = running + rows_b
         if bid == 0 and tid == 0:
             mCuc[num_reqs] = total
         cute.arch.barrier()
 
-        # Requests that complete no block only write their new tokens' entries: one warp
-        # each, all of the CTA's at once, before the items that need the whole CTA.
-        for j in cutlass.range(tid // 32, ni, self.batch.warps, unroll=1):
+        # Items a subwarp does, all of the CTA's at once: requests that complete no block
+        # (they only write their new tokens' entries; each marks its item done) and rows
+        # that no request holds (zeros). The items left need the whole CTA, one at a time:
+        # a decode step's CTA lists at most a few among many.
+        L = self.quiet_lanes
+        for j in cutlass.range(tid // L, ni, self.nt // L, unroll=1):
             item = rg + j * groups
             if item < num_reqs:
                 ok, tok0, start, length, slot, rows = self.batch.request(
                     mCu, mStart, mSlots, item, num_tokens, num_slots)
                 if ok and rows == 0:
                     self._quiet_update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length,
-                                       slot, lane, cb)
+                                       slot, tid % L, cb)
+                    if tid % L == 0:
+                        sItem[j] = ITEM_DONE
+            elif sItem[j] == NO_REQUEST:  # padding, or a row no request covers
+                if tid % L < CV:
+                    self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
+        cute.arch.barrier()
+        self._list_pending(sItem, sList, sCount, ni, rg, groups, num_reqs, tid)
+        cute.arch.barrier()
 
         tiles = (sTile, sLg, gApe, sRed, self._scratch(smem, sRed), gKV, gSc, gKVs, gSs, gOut)
-        for j in cutlass.range(ni, unroll=1):
+        for k in cutlass.range(sCount[0], unroll=1):
+            j = sList[k]
             item = rg + j * groups
             if item < num_reqs:
                 ok, tok0, start, length, slot, rows = self.batch.request(
@@ -964,21 +1034,16 @@ class _StreamingExtend(_Streaming):
                 if ok and rows != 0:  # the others' updates ran above
                     self._update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot,
                                  tid, cb)
-            else:
+            else:  # a row of request sItem[j] past its heads
                 n = item - num_reqs
-                b = sItem[j]
-                if b < 0:  # padding, or a row no request covers
-                    self._zero_row(gOut, n, lane, cvw, wp, cb)
+                ok, tok0, start, _, slot, rows = self.batch.request(
+                    mCu, mStart, mSlots, sItem[j], num_tokens, num_slots)
+                h = n - sBase[j]
+                if ok and h < rows:
+                    self._pool(*tiles, n, start // R + h, tok0, start, slot, tid, lane, cvw,
+                               wp, cb)
                 else:
-                    ok, tok0, start, _, slot, rows = self.batch.request(
-                        mCu, mStart, mSlots, b, num_tokens, num_slots)
-                    h = n - sBase[j]
-                    if h >= cutlass.min(rows, Int32(C)):  # else the request's item
-                        if ok and h < rows:
-                            self._pool(*tiles, n, start // R + h, tok0, start, slot, tid,
-                                       lane, cvw, wp, cb)
-                        else:
-                            self._zero_row(gOut, n, lane, cvw, wp, cb)
+                    self._zero_row(gOut, n, lane, cvw, wp, cb)
 
     @cute.jit
     def extend(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,

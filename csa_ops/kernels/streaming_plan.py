@@ -129,16 +129,32 @@ def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) 
     return _plan(key, num_rows, num_sms, True)
 
 
-def plan_extend(key: KernelKey, num_requests: int, num_rows: int, num_sms: int) -> LaunchPlan:
+def quiet_lanes(key: KernelKey) -> int:
+    """Lanes that update one quiet request's state (one that completes no block: a decode
+    step's usual request): one per (column vector, coff-half) of a token's entry, so a warp
+    writes 32 // quiet_lanes one-token requests at once."""
+    return min(32, key.knobs.cv * key.coff)
+
+
+def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+                num_sms: int) -> LaunchPlan:
     """csa::compressor_extend: work items (each request, then each output row) strided over
-    up to EXTEND_WAVES waves of CTA slots per column block (decode items are short and
-    latency-bound: more CTAs, fewer items each), at most MAX_ROWS per CTA; at least one
-    CTA, which writes cu_seqlens_comp."""
+    `groups` CTAs per column block, at most MAX_ROWS per CTA; at least one CTA, which writes
+    cu_seqlens_comp. A CTA runs its items that pool a window one after another: up to
+    EXTEND_WAVES waves of CTA slots, so that each has few. A decode step (as many tokens as
+    requests) has few such items: a request completes at most one block, whose row is the
+    request's own, and the others only write their token (all of a CTA's at once) or skip
+    their row (a head row, or padding: zeros). One wave then: the CTAs' fixed costs (the
+    batch scan, the loads before a store) are paid once. Its group count is odd: requests
+    whose blocks complete together are often a power of two apart (positions that
+    advanced together, power-of-two ratios), and would otherwise share a CTA."""
     cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
     items = max(1, num_requests + num_rows)
-    groups = min(items, max(1, EXTEND_WAVES * num_sms * key.knobs.ctas // cb))
-    per_cta = min(-(-items // groups), MAX_ROWS)
-    return LaunchPlan(grid=-(-items // per_cta) * cb)
+    step = num_tokens == num_requests
+    groups = min(items, max(1, (1 if step else EXTEND_WAVES) * num_sms * key.knobs.ctas // cb))
+    if step and groups % 2 == 0:
+        groups -= 1
+    return LaunchPlan(grid=max(groups, -(-items // MAX_ROWS)) * cb)
 
 
 def launch_entry(key: KernelKey, backward: bool):
