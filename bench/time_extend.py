@@ -64,8 +64,7 @@ def mixed_case(serving, head_dim: int, ratio: int, coff: int, decodes: int,
     starts = [2 * ratio + i % ratio for i in range(decodes)] + [1000]
     nbytes = 2 * sum(lengths) * width * serving.dtype.itemsize
     sets = timing.num_input_sets(nbytes, dev, cap=8)
-    state = csa_ops.CompressorState(sets * batch, ratio, coff, head_dim,
-                                                  serving.dtype, dev)
+    state = csa_ops.CompressorState(sets * batch, ratio, coff, head_dim, serving.dtype, dev)
     state.kv.copy_(bench_serving._randn(gen, state.kv.shape, serving.dtype, dev))
     state.score.copy_(bench_serving._randn(gen, state.score.shape, torch.float32, dev, 2.0))
     cu, _ = csa_ops.offsets_for(lengths, ratio, dev)

@@ -152,7 +152,8 @@ def test_plan_covers_requests_then_rows():
     lanes = with_knobs(key, part=1, lane_requests=True)
     assert extend_plan.launches(lanes) == (requests, with_knobs(rows, lane_requests=True))
     by_lanes = extend_plan.launches(lanes)[1]
-    assert extend_plan.plan(by_lanes, 4096, 32, 64, 132) == extend_plan.plan(rows, 4096, 32, 64, 132)
+    assert (extend_plan.plan(by_lanes, 4096, 32, 64, 132)
+            == extend_plan.plan(rows, 4096, 32, 64, 132))
     with pytest.raises(ValueError, match="at most 32 requests in a warp's lanes, got 33"):
         extend_plan.plan(by_lanes, 4096, 33, 64, 132)
     with pytest.raises(ValueError, match="lane_requests needs a split call"):
