@@ -166,10 +166,12 @@ def test_plan_covers_requests_then_rows():
     assert (blocks, key.knobs.ctas, streaming_plan.EXTEND_WAVES) == (8, 2, 4)
     assert extend_plan.plan(key, 8192, 4, 64, 132) == LaunchPlan(grid=68 * blocks)
     assert extend_plan.plan(key, 8192, 200, 64, 132) == LaunchPlan(grid=132 * blocks)
-    # A decode step (as many tokens as requests): one wave, an odd number of groups.
+    # A decode step (as many tokens as requests): one wave, an odd number of groups where
+    # CTAs share items; a CTA per item where they reach (B1: the request, its row).
     assert extend_plan.plan(key, 1024, 1024, 1024, 132) == LaunchPlan(grid=33 * blocks)
     assert extend_plan.plan(key, 256, 256, 256, 100) == LaunchPlan(grid=25 * blocks)
-    assert extend_plan.plan(key, 1, 1, 1, 132) == LaunchPlan(grid=blocks)
+    assert extend_plan.plan(key, 1, 1, 1, 132) == LaunchPlan(grid=2 * blocks)
+    assert extend_plan.plan(key, 16, 16, 16, 132) == LaunchPlan(grid=32 * blocks)
     assert extend_plan.plan(key, 0, 0, 0, 132) == LaunchPlan(grid=blocks)  # writes cuc
     assert extend_plan.plan(key, 10**5, 10**5, 10**5, 132) == LaunchPlan(grid=782 * blocks)
     for tokens in (10**6, 10**7):

@@ -722,7 +722,8 @@ class _StreamingExtend(_Streaming):
     padding: zeros). A CTA owns a column block and a strided set of items; every CTA scans
     the batch's row counts to place its items (requests.Batch). Then its subwarps take the
     items that need no more (requests that complete no block, padding rows) all at once,
-    and the whole CTA runs the rest one after another. A row gathers its window
+    and the whole CTA runs the rest one after another (`_run_item`); a CTA of a single item
+    runs it without the subwarps' pass. A row gathers its window
     into the forward's tile, kv from the new tokens or the state, and logits into an fp32
     tile: fp32(score) + ape as the forward adds them (ape read from L2, not staged: a decode
     CTA needs a single entry of it), or the state's stored logit. It then pools through the
@@ -966,7 +967,15 @@ class _StreamingExtend(_Streaming):
             ni = cutlass.min((items - rg + groups - 1) // groups, MAX_ROWS)
         for j in cutlass.range(tid, ni, self.nt, unroll=1):
             sItem[j] = Int32(NO_REQUEST)
-        cute.arch.barrier()
+        # The thread's first item (its subwarp's, or the CTA's only one) loads its request
+        # now, in flight with the scan's loads rather than after them (the CTA's only item
+        # then finds it in L1).
+        j0 = Int32(0)
+        if ni > 1:
+            j0 = tid // self.quiet_lanes
+        first = self._preload_request(mCu, mStart, mSlots, rg + j0 * groups, num_reqs,
+                                      num_tokens, num_slots)
+        # The scan's barrier publishes sItem before the placement below overwrites any.
         b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp)
         for b in cutlass.range(b_lo, b_hi, unroll=1):
             rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
@@ -993,57 +1002,102 @@ class _StreamingExtend(_Streaming):
             mCuc[num_reqs] = total
         cute.arch.barrier()
 
-        # Items a subwarp does, all of the CTA's at once: requests that complete no block
-        # (they only write their new tokens' entries; each marks its item done) and rows
-        # that no request holds (zeros). The items left need the whole CTA, one at a time:
-        # a decode step's CTA lists at most a few among many.
-        L = self.quiet_lanes
-        for j in cutlass.range(tid // L, ni, self.nt // L, unroll=1):
-            item = rg + j * groups
-            if item < num_reqs:
-                ok, tok0, start, length, slot, rows = self.batch.request(
-                    mCu, mStart, mSlots, item, num_tokens, num_slots)
-                if ok and rows == 0:
-                    self._quiet_update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length,
-                                       slot, tid % L, cb)
-                    if tid % L == 0:
-                        sItem[j] = ITEM_DONE
-            elif sItem[j] == NO_REQUEST:  # padding, or a row no request covers
-                if tid % L < CV:
-                    self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
-        cute.arch.barrier()
-        self._list_pending(sItem, sList, sCount, ni, rg, groups, num_reqs, tid)
-        cute.arch.barrier()
-
         tiles = (sTile, sLg, gApe, sRed, self._scratch(smem, sRed), gKV, gSc, gKVs, gSs, gOut)
-        for k in cutlass.range(sCount[0], unroll=1):
-            j = sList[k]
-            item = rg + j * groups
-            if item < num_reqs:
-                ok, tok0, start, length, slot, rows = self.batch.request(
-                    mCu, mStart, mSlots, item, num_tokens, num_slots)
-                base = sBase[j]
-                for h in cutlass.range(cutlass.min(rows, Int32(C)), unroll=1):
-                    n = base + h
-                    if n >= 0 and n < num_rows:
-                        if ok:
-                            self._pool(*tiles, n, start // R + h, tok0, start, slot, tid,
-                                       lane, cvw, wp, cb)
-                        else:
-                            self._zero_row(gOut, n, lane, cvw, wp, cb)
-                if ok and rows != 0:  # the others' updates ran above
-                    self._update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot,
-                                 tid, cb)
-            else:  # a row of request sItem[j] past its heads
-                n = item - num_reqs
+        work = (tiles, sItem, sBase, mCu, mStart, mSlots, rg, groups, num_tokens, num_rows,
+                num_reqs, num_slots, tid, lane, cvw, wp, cb)
+        pending = ni  # a CTA of one item (a prefill's usual CTA) runs it: no subwarps, no list
+        if ni > 1:
+            # Items a subwarp does, all of the CTA's at once: requests that complete no
+            # block (they only write their new tokens' entries; each marks its item done)
+            # and rows that no request holds (zeros). The items left need the whole CTA,
+            # one at a time: a decode step's CTA lists at most a few among many.
+            L = self.quiet_lanes
+            for j in cutlass.range(tid // L, ni, self.nt // L, unroll=1):
+                item = rg + j * groups
+                if item < num_reqs:
+                    ok, tok0, start, length, slot, rows = self._request_of(
+                        mCu, mStart, mSlots, item, num_tokens, num_slots, j == j0, first)
+                    if ok and rows == 0:
+                        self._quiet_update(gApe, gKV, gSc, gKVs, gSs, tok0, start,
+                                           start + length, slot, tid % L, cb)
+                        if tid % L == 0:
+                            sItem[j] = ITEM_DONE
+                elif sItem[j] == NO_REQUEST:  # padding, or a row no request covers
+                    if tid % L < CV:
+                        self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
+            cute.arch.barrier()
+            self._list_pending(sItem, sList, sCount, ni, rg, groups, num_reqs, tid)
+            cute.arch.barrier()
+            pending = sCount[0]
+        for k in cutlass.range(pending, unroll=1):
+            j = Int32(0)
+            if ni > 1:
+                j = sList[k]
+            self._run_item(j, *work)
+
+    @cute.jit
+    def _preload_request(self, mCu, mStart, mSlots, item, num_reqs, num_tokens, num_slots):
+        """Batch.request of item `item` if it is a request, else a request that is not ok
+        (no load)."""
+        ok, tok0, start, length, slot, rows = (cutlass.Boolean(False), Int32(0), Int32(0),
+                                               Int32(0), Int32(0), Int32(0))
+        if item < num_reqs:
+            ok, tok0, start, length, slot, rows = self.batch.request(
+                mCu, mStart, mSlots, item, num_tokens, num_slots)
+        return ok, tok0, start, length, slot, rows
+
+    @cute.jit
+    def _request_of(self, mCu, mStart, mSlots, item, num_tokens, num_slots, loaded, first):
+        """Request `item`'s Batch.request: `first` where `loaded` (the thread's first item,
+        loaded before the scan), else loaded now."""
+        ok, tok0, start, length, slot, rows = first
+        if not loaded:
+            ok, tok0, start, length, slot, rows = self.batch.request(
+                mCu, mStart, mSlots, item, num_tokens, num_slots)
+        return ok, tok0, start, length, slot, rows
+
+    @cute.jit
+    def _run_item(self, j, tiles, sItem, sBase, mCu, mStart, mSlots, rg, groups, num_tokens,
+                  num_rows, num_reqs, num_slots, tid, lane, cvw, wp, cb):
+        """The CTA's item j by the whole CTA, whatever its kind: a request pools its first
+        min(rows, coff) rows (zeros if it is not ok) and updates its slot; a row past its
+        request's heads pools (or zeros); padding is zeroed; a head row (ITEM_DONE) is its
+        request's."""
+        R, C = self.r, self.co
+        gApe, gKV, gSc, gKVs, gSs, gOut = tiles[2], *tiles[5:]
+        item = rg + j * groups
+        if item < num_reqs:
+            ok, tok0, start, length, slot, rows = self.batch.request(
+                mCu, mStart, mSlots, item, num_tokens, num_slots)
+            base = sBase[j]
+            for h in cutlass.range(cutlass.min(rows, Int32(C)), unroll=1):
+                n = base + h
+                if n >= 0 and n < num_rows:
+                    if ok:
+                        self._pool(*tiles, n, start // R + h, tok0, start, slot, tid, lane,
+                                   cvw, wp, cb)
+                    else:
+                        self._zero_row(gOut, n, lane, cvw, wp, cb)
+            keeps = ok
+            if const_expr(C == 1):  # a request that ends on a block boundary keeps no entry
+                keeps = ok and (start + length) % R != 0
+            if keeps:
+                self._update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot, tid,
+                             cb)
+        else:
+            b = sItem[j]
+            n = item - num_reqs
+            if b >= 0:  # a row of request b past its heads
                 ok, tok0, start, _, slot, rows = self.batch.request(
-                    mCu, mStart, mSlots, sItem[j], num_tokens, num_slots)
+                    mCu, mStart, mSlots, b, num_tokens, num_slots)
                 h = n - sBase[j]
                 if ok and h < rows:
                     self._pool(*tiles, n, start // R + h, tok0, start, slot, tid, lane, cvw,
                                wp, cb)
                 else:
                     self._zero_row(gOut, n, lane, cvw, wp, cb)
+            elif b == NO_REQUEST:  # padding, or a row no request covers
+                self._zero_row(gOut, n, lane, cvw, wp, cb)
 
     @cute.jit
     def extend(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,

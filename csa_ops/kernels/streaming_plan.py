@@ -145,14 +145,15 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
     requests) has few such items: a request completes at most one block, whose row is the
     request's own, and the others only write their token (all of a CTA's at once) or skip
     their row (a head row, or padding: zeros). One wave then: the CTAs' fixed costs (the
-    batch scan, the loads before a store) are paid once. Its group count is odd: requests
-    whose blocks complete together are often a power of two apart (positions that
-    advanced together, power-of-two ratios), and would otherwise share a CTA."""
+    batch scan, the loads before a store) are paid once. Where CTAs share items, its group
+    count is odd: requests whose blocks complete together are often a power of two apart
+    (positions that advanced together, power-of-two ratios), and would otherwise share a
+    CTA."""
     cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
     items = max(1, num_requests + num_rows)
     step = num_tokens == num_requests
     groups = min(items, max(1, (1 if step else EXTEND_WAVES) * num_sms * key.knobs.ctas // cb))
-    if step and groups % 2 == 0:
+    if step and groups % 2 == 0 and groups < items:
         groups -= 1
     return LaunchPlan(grid=max(groups, -(-items // MAX_ROWS)) * cb)
 
