@@ -1064,7 +1064,7 @@ class _StreamingExtend(_Streaming):
         request's heads pools (or zeros); padding is zeroed; a head row (ITEM_DONE) is its
         request's."""
         R, C = self.r, self.co
-        gApe, gKV, gSc, gKVs, gSs, gOut = tiles[2], *tiles[5:]
+        _, _, gApe, _, _, gKV, gSc, gKVs, gSs, gOut = tiles
         item = rg + j * groups
         if item < num_reqs:
             ok, tok0, start, length, slot, rows = self.batch.request(
