@@ -51,6 +51,9 @@ class _Knobs:
             elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{type(self).__name__}.{field.name} must be an int, "
                                  f"got {value!r}")
+        if getattr(self, "part", 0) not in (0, 1, 2):
+            raise ValueError(f"{type(self).__name__}.part must be 0, 1 or 2, "
+                             f"got {self.part!r}")  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +90,6 @@ class WindowKnobs(_Knobs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.part not in (0, 1, 2):
-            raise ValueError(f"WindowKnobs.part must be 0, 1 or 2, got {self.part!r}")
         if self.lane_requests and not self.part:
             raise ValueError("WindowKnobs.lane_requests needs a split call (part 1 or 2)")
 
@@ -109,6 +110,10 @@ class StreamingKnobs(_Knobs):
     # Forward columns in torch's CUDA order (kernels/torch_order.py): 0 never, 1 where the
     # fast softmax cannot certify one rounding step of it (SPEC 3), 2 always (tests).
     parity: int = 0
+    # csa::compressor_extend only, as WindowKnobs.part: 1 the requests' items, 2 the rows
+    # past each request's first coff, through the forward's pipelined row loop
+    # (kernels/streaming.py), beside part 1.
+    part: int = 0
 
     @property
     def threads(self) -> int:

@@ -39,8 +39,9 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     assert built == extend_plan.keys(forward)
     if forward.family == "window":
         assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
-    else:  # one key, the forward's, for every call size
-        assert built == (forward,)
+    else:  # the forward's key for decode-sized calls, its two parts (PDL) for larger ones
+        requests = with_knobs(forward, part=1, pdl=True)
+        assert built == (forward, requests, streaming_plan.rows_launch(requests))
     # Each size class launches the forward's geometry-free knobs differently; the flags
     # that fix a row's bits (fast_exp) are the forward's.
     assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
@@ -177,6 +178,19 @@ def test_plan_covers_requests_then_rows():
     for tokens in (10**6, 10**7):
         many = extend_plan.plan(key, tokens, 10**6, 0, 132).grid // blocks
         assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
+    # A split call: the requests' items (one CTA per request where they reach), then the
+    # rows as the forward places them, in CTAs half as wide, 3 per SM (396 slots, 16 blocks:
+    # 24 groups, evened out to 22 of 3 rows).
+    requests, rows = extend_plan.launches(extend_plan.for_size(key, 1))
+    assert (requests.knobs.part, rows.knobs.part, rows.knobs.pdl) == (1, 2, True)
+    assert (rows.knobs.cv, rows.knobs.ctas) == (key.knobs.cv // 2, 3)
+    assert dataclasses.replace(rows, knobs=key.knobs) == key  # launch knobs only
+    assert extend_plan.plan(requests, 8192, 4, 64, 132) == LaunchPlan(grid=4 * blocks)
+    assert extend_plan.plan(requests, 8192, 0, 0, 132) == LaunchPlan(grid=blocks)  # cuc
+    assert extend_plan.plan(rows, 8192, 4, 64, 132) == LaunchPlan(grid=22 * 2 * blocks)
+    assert extend_plan.plan(rows, 8192, 4, 0, 132) == LaunchPlan(grid=2 * blocks)
+    assert (extend_plan.plan(rows, 8192, 4, 10**6, 132)
+            == streaming_plan.plan_forward(rows, 8192, 10**6, 132))
 
 
 def test_support_covers_both_families():
@@ -186,6 +200,11 @@ def test_support_covers_both_families():
     streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
     assert streaming.family == "streaming" and extend_plan.supports(streaming)
     assert extend_plan.for_size(streaming, 0) == streaming
+    assert extend_plan.for_size(streaming, extend_plan.STEP) == streaming
+    for size in (1, extend_plan.FEW_LARGE):
+        assert extend_plan.for_size(streaming, size) == with_knobs(streaming, part=1, pdl=True)
+    with pytest.raises(ValueError, match="StreamingKnobs.part must be 0, 1 or 2"):
+        with_knobs(streaming, part=3)
     # No family runs fp32 at ratio 128 (the streaming kernels take bf16 and fp16).
     with pytest.raises(ValueError, match="no extend kernel for ratio=128"):
         host.precompile_extend(128, 512, 1, torch.float32, arch="sm_90a")

@@ -240,6 +240,17 @@ def release_dependents(pdl: cutlass.Constexpr[bool]):
 
 
 @cute.jit
+def complete_after_upstream(pdl: cutlass.Constexpr[bool], bid):
+    """For a launch that started with release_dependents and no wait (the second launch of
+    a split csa::compressor_extend call): its grid must complete after the grid before it,
+    so that a grid that waits on it sees both. One CTA waiting suffices; the last one,
+    because waiting holds its SM slot, which in any earlier CTA would keep later CTAs
+    waiting behind it."""
+    if bid == cute.arch.grid_dim()[0] - 1:
+        await_upstream(pdl)
+
+
+@cute.jit
 def pick(cond: cutlass.Boolean, a: Float32, b: Float32) -> Float32:
     """cond ? a : b without a branch."""
     return Float32(cutlass.select_(cond, a, b))

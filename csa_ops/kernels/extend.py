@@ -328,15 +328,6 @@ def _build(key: KernelKey):
         return h < cutlass.min(rows, Int32(C))
 
     @cute.jit
-    def complete_after_first_part(bid):
-        """A split call's second launch waited for nothing at its start: its grid must
-        complete after part 1, so that a grid that waits on it sees both. One CTA waiting
-        suffices; the last one, because waiting holds its SM slot, which in any earlier
-        CTA would keep row items waiting behind it."""
-        if bid == cute.arch.grid_dim()[0] - 1:
-            cm.await_upstream(g.pdl)
-
-    @cute.jit
     def pool_later_rows(p_kv, p_score, p_out, sApe, base, rows, q0, start, tok0, num_rows, cv,
                         cvl):
         """A request's rows past its first coff (request_rows), one after another: their
@@ -517,7 +508,7 @@ def _build(key: KernelKey):
                             else:
                                 zero_row(p_out, n, cv)
         if cutlass.const_expr(part == 2):
-            complete_after_first_part(bid)
+            cm.complete_after_upstream(g.pdl, bid)
 
     @cute.kernel
     def lane_rows(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_out, p_cuc,
@@ -528,7 +519,7 @@ def _build(key: KernelKey):
         first row come by shuffles: no batch scan, barrier or reload before the window
         loads (the CTA-wide scan and placement cost part 2 9% more instructions than the
         forward's binary search)."""
-        # As in `kernel`'s part 2: no wait here (complete_after_first_part at the end).
+        # As in `kernel`'s part 2: no wait here (cm.complete_after_upstream at the end).
         cm.release_dependents(g.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -570,7 +561,7 @@ def _build(key: KernelKey):
             pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl)
         if zero:
             zero_row(p_out, n, cv)
-        complete_after_first_part(bid)
+        cm.complete_after_upstream(g.pdl, bid)
 
     @cute.jit
     def launch(p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,

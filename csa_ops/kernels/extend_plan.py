@@ -80,9 +80,11 @@ def size_class(num_tokens: int, num_requests: int) -> int:
 
 def for_size(key: KernelKey, size: int) -> KernelKey:
     """The extend key of forward key `key` for calls of size class `size` (a streaming key:
-    itself, whatever the size)."""
+    itself, or split with PDL for calls past decode-sized ones)."""
     if key.family == "streaming":
-        return key
+        # Larger calls split: the rows past the requests' heads run in the forward's own
+        # pipelined loop beside the requests' launch (PDL, whatever the forward's).
+        return with_knobs(key, part=1, pdl=True) if size in (1, FEW_LARGE) else key
     if size == STEP:
         # A call with as many tokens as requests may still give one request several (its
         # rows past coff then pool one after another): correct, if slower than row items.
@@ -93,8 +95,11 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
 
 
 def launches(key: KernelKey) -> tuple[KernelKey, ...]:
-    """The kernels one call of extend key `key` launches, in order: itself, or a split call's
-    two parts (requests' items, then row items)."""
+    """The kernels one call of extend key `key` (for_size's) launches, in order: itself, or a
+    split call's two parts (requests' items, then row items)."""
+    if key.family == "streaming" and key.knobs.part:
+        requests = with_knobs(key, part=1)
+        return requests, streaming_plan.rows_launch(requests)
     if key.family == "window" and key.knobs.part:
         # Part 1 is the same kernel either way: one key for it.
         return with_knobs(key, part=1, lane_requests=False), with_knobs(key, part=2)

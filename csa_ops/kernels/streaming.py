@@ -34,6 +34,8 @@ QUIET_UNROLL = 4  # pieces of a quiet request's update loaded before their store
 # request whose quiet update ran, a head row, which its request's item pools).
 NO_REQUEST = -1
 ITEM_DONE = -2
+# A split extend call's row launch flags the head rows (its requests' launch writes them).
+SKIP_ROW = 8
 
 
 def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
@@ -262,11 +264,33 @@ class _Streaming:
                mCuc: cute.Tensor, gOut: cute.Tensor, gGo: cute.Tensor, gGkv: cute.Tensor,
                gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32, groups: Int32):
-        VEC, CV, S = self.vec, self.cv, self.stages
         cm.await_upstream(self.pdl)
         tid, _, cb, rg, lane, cvw, wp = self._coordinates()
-
         smem = cutlass.memory.SmemAllocator()
+        tables = self._row_tables(smem)
+        _, _, _, sT0, sFl, _ = tables
+
+        # Row table: first window token and flags (bit 0: real row, bit 1: has a previous
+        # block) of each row this CTA owns; one binary search per row, all rows in parallel.
+        nr = self._rows_owned(rg, num_rows, groups)
+        for j in cutlass.range(tid, nr, self.nt, unroll=1):
+            t0, fl = self._row_info(rg + j * groups, mCu, mCuc, num_tokens, num_segs)
+            sT0[j] = t0
+            sFl[j] = fl
+        gacc = cute.make_rmem_tensor((self.kt * self.vec,), Float32)
+        gacc.fill(0.0)
+        self._pipeline(nr, tables, gKV, gSc, gApe, gGo, gOut, gGkv, gGsc, gacc, tid, lane, cvw,
+                       wp, cb, rg, groups, num_tokens, False)
+        if const_expr(self.bwd):
+            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
+                           num_tokens, num_rows, num_segs, groups)
+
+    def _row_tables(self, smem):
+        """(sTile, sApe, sRed, sT0, sFl, sG) of the pipelined row loop: `stages` window tiles
+        (score in slot 0, kv in slot 1), the CTA's ape tile, the cross-warp partials, the
+        row table (first window token, flags) and sG: grad_out rows (backward) or the exact
+        columns' scratch (forward)."""
+        VEC, CV, S = self.vec, self.cv, self.stages
         sTile = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, self.wpad, 2, S)),
                                      128)
         sApe = smem.allocate_tensor(
@@ -275,28 +299,34 @@ class _Streaming:
                                     16)
         sT0 = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sFl = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
-        # sG: grad_out rows (backward) or the exact columns' scratch (forward).
         sG = self._scratch(smem, sRed)
         if const_expr(self.bwd):
             sG = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, S)), 16)
+        return sTile, sApe, sRed, sT0, sFl, sG
 
-        # Row table: first window token and flags (bit 0: real row, bit 1: has a previous
-        # block) of each row this CTA owns; one binary search per row, all rows in parallel.
+    @cute.jit
+    def _rows_owned(self, rg, num_rows, groups):
+        """Rows rg, rg + groups, ... of a CTA in row group rg: how many (at most MAX_ROWS)."""
         nr = Int32(0)
         if rg < num_rows:
             nr = cutlass.min((num_rows - rg + groups - 1) // groups, MAX_ROWS)
-        for j in cutlass.range(tid, nr, self.nt, unroll=1):
-            t0, fl = self._row_info(rg + j * groups, mCu, mCuc, num_tokens, num_segs)
-            sT0[j] = t0
-            sFl[j] = fl
+        return nr
 
+    @cute.jit
+    def _pipeline(self, nr, tables, gKV, gSc, gApe, gGo, gOut, gGkv, gGsc, gacc, tid, lane, cvw,
+                  wp, cb, rg, groups, num_tokens, skips):
+        """The CTA's rows j < nr (row rg + j * groups, window from token sT0[j], flags
+        sFl[j]): tiles `stages - 1` rows ahead by cp.async, ape staged while the first are in
+        flight, then each row pooled (or its gradient) once its tile lands. Rows that are
+        not real get zeros (forward), except, where `skips`, those flagged SKIP_ROW (another
+        launch writes them). Starts with the barrier that publishes the row table."""
+        VEC, CV, S = self.vec, self.cv, self.stages
+        sTile, sApe, sRed, sT0, sFl, sG = tables
         mode = cute.nvgpu.LoadCacheMode.ALWAYS
         if const_expr(VEC * self.dtype.width == 128):
             mode = cute.nvgpu.LoadCacheMode.GLOBAL
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.dtype,
                                    num_bits_per_copy=max(32, VEC * self.dtype.width))
-        gacc = cute.make_rmem_tensor((self.kt * VEC,), Float32)
-        gacc.fill(0.0)
         cute.arch.barrier()
 
         for p in cutlass.range_constexpr(S - 1):
@@ -327,14 +357,25 @@ class _Streaming:
                         self._row(*args, True)
                 else:
                     self._row(*args, True)
-            elif const_expr(not self.bwd):  # noqa: SIM102 (compile-time, then run-time test)
-                if lane == 0 and wp == 0 and cb * CV + cvw < self.ncv:
+            elif const_expr(not self.bwd):
+                zeros = lane == 0 and wp == 0 and cb * CV + cvw < self.ncv
+                if const_expr(skips):
+                    zeros = zeros and fl != SKIP_ROW
+                if zeros:
                     self._store(gOut[(None, (rg + j * groups, cb * CV + cvw))],
                                 [Float32(0.0)] * VEC)
 
-        if const_expr(self.bwd):
-            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
-                           num_tokens, num_rows, num_segs, groups)
+    @cute.jit
+    def _zero_vector(self, gOut, n, colc):
+        """Zeros in column vector colc of output row n (none past the row)."""
+        if colc < self.ncv:
+            self._store(gOut[(None, (n, colc))], [Float32(0.0)] * self.vec)
+
+    @cute.jit
+    def _zero_row(self, gOut, n, lane, cvw, wp, cb):
+        """Row n's zeros in this CTA's columns, by the whole CTA (a lane per column vector)."""
+        if lane == 0 and wp == 0:
+            self._zero_vector(gOut, n, cb * self.cv + cvw)
 
     def _ape_chunk(self, half, colc, h):
         """gApe's column of chunk h (av fp32 values) of column vector colc in coff-half
@@ -403,9 +444,13 @@ class _Streaming:
         return ap
 
     def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
-        """v -> entry k's logit fp32(score) + ape of column v. The tile's score and ape are
-        loaded here, each add happens where the caller asks for it. (The extend kernel
-        reads its logits from sLg instead; the forward and backward pass None.)"""
+        """v -> entry k's logit: fp32(score) + ape of column v, the tile's score and ape
+        loaded here and each add where the caller asks for it; or, where the caller has an
+        fp32 logit tile sLg (the extend kernel's gathered windows), its entry."""
+        if sLg is not None:
+            lg = cute.make_rmem_tensor((self.vec,), Float32)
+            lg.store(sLg[(None, ph, k)].load())
+            return lambda v: lg[v]
         sc = self._load_f32(sTile[(None, ph, k, 0, st)])
         ap = self._ape(sApe, k, cvw)
         return lambda v: sc[v] + ap[v]
@@ -736,11 +781,8 @@ class _StreamingExtend(_Streaming):
         super().__init__(key, backward=False)
         self.batch = requests.Batch(self.r, self.nt)
         self.quiet_lanes = quiet_lanes(key)
-
-    def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
-        lg = cute.make_rmem_tensor((self.vec,), Float32)
-        lg.store(sLg[(None, ph, k)].load())
-        return lambda v: lg[v]
+        self.part = key.knobs.part
+        self.has_rows = self.part != 1  # this launch has row items (part 1: requests only)
 
     @cute.jit
     def _new_logits(self, gSc, gApe, t, gc, k, colc):
@@ -801,17 +843,14 @@ class _StreamingExtend(_Streaming):
                   lane, cvw, wp, cb, True, sLg)
         cute.arch.barrier()  # the tile is free for the next row
 
-    @cute.jit
-    def _zero_vector(self, gOut, n, colc):
-        """Zeros in column vector colc of output row n (none past the row)."""
-        if colc < self.ncv:
-            self._store(gOut[(None, (n, colc))], [Float32(0.0)] * self.vec)
-
-    @cute.jit
-    def _zero_row(self, gOut, n, lane, cvw, wp, cb):
-        """Row n's zeros in this CTA's columns, by the whole CTA (a lane per column vector)."""
-        if lane == 0 and wp == 0:
-            self._zero_vector(gOut, n, cb * self.cv + cvw)
+    def _rows_here(self, running, rows_b, row0, groups, num_rows):
+        """(n0, hi): a request's output rows [running, running + rows_b) that are this CTA's,
+        whose rows are row0, row0 + groups, ... (row0 may be negative), are n0, n0 + groups,
+        ... below hi. lo is clamped to num_rows: a running count that wrapped near INT32_MAX
+        (adversarial cu_seqlens) must not overflow n0 into a negative row."""
+        lo = cutlass.min(cutlass.max(running, Int32(0)), num_rows)
+        n0 = lo + ((row0 - lo) % groups + groups) % groups
+        return n0, cutlass.min(running + rows_b, num_rows)
 
     @cute.jit
     def _list_pending(self, sItem, sList, sCount, ni, rg, groups, num_reqs, tid):
@@ -961,7 +1000,9 @@ class _StreamingExtend(_Streaming):
         sCount = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         # Items rg, rg + groups, ...: request b is item b, output row n item num_reqs + n.
-        items = num_reqs + num_rows
+        items = num_reqs
+        if const_expr(self.has_rows):
+            items = num_reqs + num_rows
         ni = Int32(0)
         if rg < items:
             ni = cutlass.min((items - rg + groups - 1) // groups, MAX_ROWS)
@@ -983,20 +1024,16 @@ class _StreamingExtend(_Streaming):
                 mCuc[b] = running
             if b >= rg and (b - rg) % groups == 0 and (b - rg) // groups < ni:
                 sBase[(b - rg) // groups] = running
-            # This CTA's rows among the request's [running, running + rows_b). lo is clamped
-            # to num_rows: a running count that wrapped near INT32_MAX (adversarial
-            # cu_seqlens) must not overflow n0 into a negative row and item index.
-            lo = cutlass.min(cutlass.max(running, Int32(0)), num_rows)
-            n0 = lo + ((rg - num_reqs - lo) % groups + groups) % groups
-            hi = cutlass.min(running + rows_b, num_rows)
-            heads = cutlass.min(rows_b, Int32(C))
-            for n in cutlass.range(n0, hi, groups, unroll=1):
-                j = (num_reqs + n - rg) // groups
-                if j < ni:
-                    sItem[j] = b
-                    if n - running < heads:
-                        sItem[j] = ITEM_DONE
-                    sBase[j] = running
+            if const_expr(self.has_rows):
+                n0, hi = self._rows_here(running, rows_b, rg - num_reqs, groups, num_rows)
+                heads = cutlass.min(rows_b, Int32(C))
+                for n in cutlass.range(n0, hi, groups, unroll=1):
+                    j = (num_reqs + n - rg) // groups
+                    if j < ni:
+                        sItem[j] = b
+                        if n - running < heads:
+                            sItem[j] = ITEM_DONE
+                        sBase[j] = running
             running = running + rows_b
         if bid == 0 and tid == 0:
             mCuc[num_reqs] = total
@@ -1022,9 +1059,10 @@ class _StreamingExtend(_Streaming):
                                            start + length, slot, tid % L, cb)
                         if tid % L == 0:
                             sItem[j] = ITEM_DONE
-                elif sItem[j] == NO_REQUEST:  # padding, or a row no request covers
-                    if tid % L < CV:
-                        self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
+                elif const_expr(self.has_rows):  # noqa: SIM102 (compile-time, then run-time)
+                    if sItem[j] == NO_REQUEST:  # padding, or a row no request covers
+                        if tid % L < CV:
+                            self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
             cute.arch.barrier()
             self._list_pending(sItem, sList, sCount, ni, rg, groups, num_reqs, tid)
             cute.arch.barrier()
@@ -1034,6 +1072,63 @@ class _StreamingExtend(_Streaming):
             if ni > 1:
                 j = sList[k]
             self._run_item(j, *work)
+
+    @cute.kernel
+    def rows_kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor,
+                    mCu: cute.Tensor, mStart: cute.Tensor, mSlots: cute.Tensor,
+                    gOut: cute.Tensor, num_tokens: Int32, num_rows: Int32, num_reqs: Int32,
+                    num_slots: Int32, groups: Int32):
+        """Part 2 of a split call: every output row but the requests' heads (part 1's), in
+        the forward's own pipelined loop: a row's window lies in the new tokens, so it is
+        the forward's row, tiles staged `stages - 1` rows ahead. Rows of requests that are
+        not ok and padding rows get zeros."""
+        # Nothing part 1 or the grids before it write is read or written here, and part 1
+        # waited for those grids before this launch could start.
+        cm.release_dependents(self.pdl)
+        tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
+        smem = cutlass.memory.SmemAllocator()
+        tables = self._row_tables(smem)
+        _, _, _, sT0, sFl, _ = tables
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
+        nr = self._rows_owned(rg, num_rows, groups)
+        for j in cutlass.range(tid, nr, self.nt, unroll=1):
+            sFl[j] = Int32(0)  # zeros, unless a request holds the row
+        # The scan's barrier publishes sFl before the placement below overwrites any.
+        b_lo, b_hi, running, _ = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp)
+        for b in cutlass.range(b_lo, b_hi, unroll=1):
+            rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
+            n0, hi = self._rows_here(running, rows_b, rg, groups, num_rows)
+            if n0 < hi:
+                ok, tok0, start, _, _, _ = self.batch.request(mCu, mStart, mSlots, b,
+                                                              num_tokens, num_slots)
+                for n in cutlass.range(n0, hi, groups, unroll=1):
+                    j = (n - rg) // groups
+                    if j < nr:
+                        t0, fl = self._later_row(n - running, rows_b, ok, tok0, start,
+                                                 num_tokens)
+                        sT0[j] = t0
+                        sFl[j] = fl
+            running = running + rows_b
+        self._pipeline(nr, tables, gKV, gSc, gApe, gOut, gOut, gOut, gOut, None, tid, lane,
+                       cvw, wp, cb, rg, groups, num_tokens, True)
+        cm.complete_after_upstream(self.pdl, bid)
+
+    @cute.jit
+    def _later_row(self, h, rows_b, ok, tok0, start, num_tokens):
+        """(first window token, flags) of a request's row h for the forward's row loop: a
+        head row (h < coff) is SKIP_ROW, a row of a request that is not ok not real (zeros);
+        else block q = start // ratio + h, whose window lies in the new tokens (positions
+        past start): real, with a previous block, and whole when its tokens are in range
+        (always, for an ok request; the masks guard the rest)."""
+        t0 = Int32(0)
+        fl = Int32(SKIP_ROW)
+        if h >= cutlass.min(rows_b, Int32(self.co)):
+            fl = Int32(0)
+            if ok:
+                q = start // self.r + h
+                t0 = tok0 + ((q - (self.co - 1)) * self.r - start)
+                fl = 3 + 4 * Int32(t0 >= 0 and t0 + self.w <= num_tokens)
+        return t0, fl
 
     @cute.jit
     def _preload_request(self, mCu, mStart, mSlots, item, num_reqs, num_tokens, num_slots):
@@ -1084,7 +1179,7 @@ class _StreamingExtend(_Streaming):
             if keeps:
                 self._update(gApe, gKV, gSc, gKVs, gSs, tok0, start, start + length, slot, tid,
                              cb)
-        else:
+        elif const_expr(self.has_rows):
             b = sItem[j]
             n = item - num_reqs
             if b >= 0:  # a row of request b past its heads
@@ -1109,20 +1204,24 @@ class _StreamingExtend(_Streaming):
         gApe = cute.zipped_divide(
             cute.make_tensor(p_ape, cute.make_layout((self.r, width), stride=(width, 1))),
             (1, self.av))
-        entries = num_slots * self.w
-        gSs = cute.zipped_divide(
-            cute.make_tensor(p_ss, cute.make_layout((entries, width), stride=(width, 1))),
-            (1, self.vec))
-        self.extend_kernel(
-            self._rows(p_kv, num_tokens, width), self._rows(p_score, num_tokens, width), gApe,
-            cute.make_tensor(p_cu, cute.make_layout(num_reqs + 1)),
-            cute.make_tensor(p_starts, cute.make_layout(num_reqs + 1)),
-            cute.make_tensor(p_slots, cute.make_layout(num_reqs + 1)),
-            self._rows(p_kvs, entries, width), gSs, self._rows(p_out, num_rows, self.d),
-            cute.make_tensor(p_cuc, cute.make_layout(num_reqs + 1)), num_tokens, num_rows,
-            num_reqs, num_slots, grid // self.cb).launch(
-            grid=(grid, 1, 1), block=(self.nt, 1, 1), stream=stream,
-            min_blocks_per_mp=self.ctas, preferred_smem_carveout=100, use_pdl=self.pdl)
+        gKV, gSc = self._rows(p_kv, num_tokens, width), self._rows(p_score, num_tokens, width)
+        mCu, mStart, mSlots, mCuc = [cute.make_tensor(p, cute.make_layout(num_reqs + 1))
+                                     for p in (p_cu, p_starts, p_slots, p_cuc)]
+        gOut = self._rows(p_out, num_rows, self.d)
+        if const_expr(self.part == 2):
+            launched = self.rows_kernel(gKV, gSc, gApe, mCu, mStart, mSlots, gOut, num_tokens,
+                                        num_rows, num_reqs, num_slots, grid // self.cb)
+        else:
+            entries = num_slots * self.w
+            gSs = cute.zipped_divide(
+                cute.make_tensor(p_ss, cute.make_layout((entries, width), stride=(width, 1))),
+                (1, self.vec))
+            launched = self.extend_kernel(
+                gKV, gSc, gApe, mCu, mStart, mSlots, self._rows(p_kvs, entries, width), gSs,
+                gOut, mCuc, num_tokens, num_rows, num_reqs, num_slots, grid // self.cb)
+        launched.launch(grid=(grid, 1, 1), block=(self.nt, 1, 1), stream=stream,
+                        min_blocks_per_mp=self.ctas, preferred_smem_carveout=100,
+                        use_pdl=self.pdl)
 
 
 def extend_entry(key: KernelKey):

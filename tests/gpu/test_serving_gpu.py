@@ -54,6 +54,30 @@ def test_chunked_extend_matches_cuda_compressor(case):
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 512), (128, 2, 128)])
+def test_split_prefill_from_state_matches_cuda_compressor(ratio, coff, head_dim):
+    """Long pieces continuing from state (chunked prefill: four requests, then each one's
+    next 2000-odd tokens in one call) split into the requests' launch and the rows' launch,
+    which runs the forward's own loop: rows bitwise those of csa::compressor over the whole
+    sequences, padding rows zeros, the state that of one call over all tokens."""
+    from csa_ops import host
+
+    lengths = (2100, 2229, 70, 2050)
+    req = make_requests(lengths, ratio, coff, head_dim, torch.bfloat16, device="cuda", seed=5)
+    slot_of = permuted_slots(len(lengths), 7, 5)
+    state = CompressorState(7, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    first = [53, 300, 70, 129]
+    schedule = [list(enumerate(first)),
+                [(i, n - f) for i, (n, f) in enumerate(zip(lengths, first, strict=True))]]
+    tokens = sum(n for _, n in schedule[1])
+    key = host.extend_problem(req.kv[0].new_empty(tokens, req.width), ratio, coff,
+                              len(lengths)).key
+    assert key.family == "streaming" and key.knobs.part == 1
+    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=3)
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1)])
 def test_decode_batch_with_a_long_piece_and_padding(ratio, coff):
     """A decode step whose every request completes a block, batched with one long piece
@@ -185,12 +209,13 @@ def test_decode_graph_replays_match_eager_bitwise(ratio, coff):
 
 
 @pytest.mark.parametrize("piece", [150, 1400], ids=("scan", "lanes"))
-@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1)])
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (4, 1), (128, 1)])
 def test_split_calls_in_one_graph_match_eager_bitwise(ratio, coff, piece):
     """Calls past the decode-sized class run as two launches whose second starts without
     waiting for the first (PDL): three chunked-prefill calls captured back to back in one
     graph, each continuing the state the one before it wrote, equal eager calls bitwise.
-    With 3 x 1400 new tokens the row items go by lanes."""
+    With 3 x 1400 new tokens the register-window row items go by lanes (r128: the
+    streaming family, whose rows run in the forward's loop)."""
     from csa_ops import host
 
     gen = torch.Generator(device="cuda").manual_seed(12)
@@ -201,8 +226,9 @@ def test_split_calls_in_one_graph_match_eager_bitwise(ratio, coff, piece):
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
     pieces = [(randn(batch * piece, width), randn(batch * piece, width)) for _ in range(calls)]
-    knobs = host.extend_problem(pieces[0][0], ratio, coff, batch).key.knobs
-    assert (knobs.part, knobs.lane_requests) == (1, piece == 1400)
+    key = host.extend_problem(pieces[0][0], ratio, coff, batch).key
+    assert key.knobs.part == 1
+    assert getattr(key.knobs, "lane_requests", piece == 1400) == (piece == 1400)
     ape = randn(ratio, width, dtype=torch.float32)
     cu = torch.arange(0, (batch + 1) * piece, piece, dtype=torch.int32, device="cuda")
     first = torch.tensor([0, 7, 1001], dtype=torch.int32, device="cuda")
@@ -366,8 +392,8 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
     or reversed) get zero rows and leave every slot alone; the valid ones in the same batch
     match a clean call; cu_seqlens_comp counts rows as the reference does. With 300 tokens
-    the register-window calls split into two launches (the clean call's 24 do not), with
-    4200 their row items go by lanes."""
+    the calls split into two launches (the clean call's 24 do not), with 4200 the
+    register-window calls' row items go by lanes."""
     from csa_ops import host
     from csa_ops.kernels import extend_plan
 
@@ -382,7 +408,7 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     ape = randn(ratio, width, dtype=torch.float32)
     cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45]
     key = host.extend_problem(kv, ratio, coff, len(cu) - 1).key
-    assert bool(key.family == "window" and tokens > 256) == bool(getattr(key.knobs, "part", 0))
+    assert (tokens > extend_plan.DECODE_SIZED) == bool(key.knobs.part)
     lanes = key.family == "window" and tokens >= extend_plan.LANE_TOKENS
     assert lanes == getattr(key.knobs, "lane_requests", False)
     start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
