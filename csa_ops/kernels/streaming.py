@@ -775,6 +775,11 @@ class _StreamingExtend(_Streaming):
     forward's own `_row`, so rows are bit-identical to the CUDA csa::compressor's. A
     request's rows and its update run in one CTA per column block, so CTA barriers order
     every state read before the writes.
+
+    A split call (the part knob, for calls past decode-sized ones) is two launches: part 1
+    has the requests' items only; part 2 (`rows_kernel`) every other row, whose window
+    lies in the new tokens, through the forward's own pipelined loop (`_pipeline`), beside
+    part 1 (PDL: it reads nothing part 1 writes).
     """
 
     def __init__(self, key: KernelKey):
