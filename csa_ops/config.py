@@ -110,9 +110,9 @@ class StreamingKnobs(_Knobs):
     # Forward columns in torch's CUDA order (kernels/torch_order.py): 0 never, 1 where the
     # fast softmax cannot certify one rounding step of it (SPEC 3), 2 always (tests).
     parity: int = 0
-    # csa::compressor_extend only, as WindowKnobs.part: 1 the requests' items, 2 the rows
-    # past each request's first coff, through the forward's pipelined row loop
-    # (kernels/streaming.py), beside part 1.
+    # csa::compressor_extend only, as WindowKnobs.part: 1 the requests' items, 2 every
+    # other output row (padding and invalid requests' rows: zeros), through the forward's
+    # pipelined row loop (kernels/streaming.py), beside part 1.
     part: int = 0
 
     @property

@@ -191,6 +191,25 @@ def test_plan_covers_requests_then_rows():
     assert extend_plan.plan(rows, 8192, 4, 0, 132) == LaunchPlan(grid=2 * blocks)
     assert (extend_plan.plan(rows, 8192, 4, 10**6, 132)
             == streaming_plan.plan_forward(rows, 8192, 10**6, 132))
+    with pytest.raises(ValueError, match="first part"):
+        extend_plan.launches(rows)
+
+
+def test_rows_launch_adds_a_cta_per_sm_only_where_shared_memory_holds_it():
+    for problem in ((128, 1, 512), (128, 2, 128), (256, 2, 64), (512, 1, 64)):
+        for key in streaming_plan.enumerate_keys(*problem, "bfloat16", "sm_90a", False):
+            k = key.knobs
+            rows = streaming_plan.rows_launch(with_knobs(key, part=1))
+            r = rows.knobs
+            assert (r.part, r.cv) == (2, max(1, k.cv // 2)) or rows == with_knobs(key, part=2)
+            assert r.ctas in (k.ctas, min(4, k.ctas + 1))
+            if r.ctas > k.ctas:
+                smem = streaming_plan._smem_bytes(rows.elem_bytes, r.vec, r.cv, r.wpc, r.kt,
+                                                  False, r.stages, bool(r.parity))
+                assert smem * r.ctas <= streaming_plan.SMEM_PER_SM
+    # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
+    key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)
+    assert streaming_plan.rows_launch(with_knobs(key, part=1)).knobs.ctas == 2
 
 
 def test_support_covers_both_families():

@@ -233,8 +233,9 @@ def release_dependents(pdl: cutlass.Constexpr[bool]):
     start its CTAs as ours retire. Only for a launch that reads and writes nothing the grid
     before it (or any before that) still writes or reads, because that grid waited for all
     earlier ones before this launch could start (the second launch of a split
-    csa::compressor_extend call). Such a kernel calls await_upstream at its end, so that it
-    completes after the grid before it, and a grid that waits on it sees both."""
+    csa::compressor_extend call). Such a kernel ends with complete_after_upstream (its last
+    CTA waits), so that it completes after the grid before it, and a grid that waits on it
+    sees both."""
     if cutlass.const_expr(pdl):
         cute.arch.griddepcontrol_launch_dependents()
 

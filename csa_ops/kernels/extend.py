@@ -346,8 +346,9 @@ def _build(key: KernelKey):
     def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
                num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
         if cutlass.const_expr(part == 2):
-            # Nothing part 1 or the grids before it write is read or written here, and part
-            # 1 waited for those grids before this launch could start.
+            # This launch reads only the call's inputs and writes only row items' rows:
+            # nothing part 1 reads or writes. It starts only once every part-1 CTA has
+            # passed its wait, so the grids before the call are complete.
             cm.release_dependents(g.pdl)
         else:
             cm.await_upstream(g.pdl)

@@ -98,8 +98,9 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
     """The kernels one call of extend key `key` (for_size's) launches, in order: itself, or a
     split call's two parts (requests' items, then row items)."""
     if key.family == "streaming" and key.knobs.part:
-        requests = with_knobs(key, part=1)
-        return requests, streaming_plan.rows_launch(requests)
+        if key.knobs.part != 1:  # its rows launch has launch knobs of its own
+            raise ValueError(f"launches takes a split streaming call's first part, got {key!r}")
+        return key, streaming_plan.rows_launch(key)
     if key.family == "window" and key.knobs.part:
         # Part 1 is the same kernel either way: one key for it.
         return with_knobs(key, part=1, lane_requests=False), with_knobs(key, part=2)

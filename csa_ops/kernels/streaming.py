@@ -1087,8 +1087,10 @@ class _StreamingExtend(_Streaming):
         the forward's own pipelined loop: a row's window lies in the new tokens, so it is
         the forward's row, tiles staged `stages - 1` rows ahead. Rows of requests that are
         not ok and padding rows get zeros."""
-        # Nothing part 1 or the grids before it write is read or written here, and part 1
-        # waited for those grids before this launch could start.
+        # This launch reads only the call's inputs and writes only rows part 1 does not
+        # (no state, no head row, no cu_seqlens_comp): nothing part 1 reads or writes. It
+        # starts only once every part-1 CTA has passed its wait, so the grids before the
+        # call are complete.
         cm.release_dependents(self.pdl)
         tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
         smem = cutlass.memory.SmemAllocator()
@@ -1123,8 +1125,9 @@ class _StreamingExtend(_Streaming):
         """(first window token, flags) of a request's row h for the forward's row loop: a
         head row (h < coff) is SKIP_ROW, a row of a request that is not ok not real (zeros);
         else block q = start // ratio + h, whose window lies in the new tokens (positions
-        past start): real, with a previous block, and whole when its tokens are in range
-        (always, for an ok request; the masks guard the rest)."""
+        past start): real, with a previous block. An ok request's window is always whole;
+        the "whole" flag, which lets a lean key drop the masks, is still tested here so
+        that it can never be set on a window that is not."""
         t0 = Int32(0)
         fl = Int32(SKIP_ROW)
         if h >= cutlass.min(rows_b, Int32(self.co)):

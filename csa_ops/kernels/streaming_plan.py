@@ -163,14 +163,21 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
 
 def rows_launch(key: KernelKey) -> KernelKey:
     """The rows launch (part 2) of a split extend call whose requests' launch is `key`: CTAs
-    half as wide and one more per SM (a column's bits do not depend on the CTA's width),
-    so that they share SMs with the requests' CTAs and still run in one wave. H200, d512
-    r128 c1, 4 requests from state by 2048 new tokens, graph replay: 14.1 us, against 15.7
-    at the forward's width (22 row groups), 19.3 with the forward's plan (2 rows per CTA,
-    whose last CTAs wait for a second wave), 16.4 for the one-launch kernel (training
-    forward: 12.3)."""
+    half as wide and one more per SM where shared memory allows (a column's bits do not
+    depend on the CTA's width), so that they share SMs with the requests' CTAs and still
+    run in one wave. H200, d512 r128 c1, 4 requests from state by 2048 new tokens, graph
+    replay: 15.75 us in a bench_serving run (22 row groups of 3 rows; training forward
+    12.47), against 16.35-16.8 for the one-launch kernel and 19.3 at the forward's width
+    and plan (2 rows per CTA, whose last CTAs wait for a second wave). bench/README has
+    the A/B."""
     k = key.knobs
-    narrow = with_knobs(key, part=2, cv=max(1, k.cv // 2), ctas=min(4, k.ctas + 1))
+    narrow = with_knobs(key, part=2, cv=max(1, k.cv // 2))
+    smem = _smem_bytes(key.elem_bytes, k.vec, narrow.knobs.cv, k.wpc, k.kt, False, k.stages,
+                       bool(k.parity))
+    ctas = min(4, k.ctas + 1)
+    while ctas > k.ctas and smem * ctas > SMEM_PER_SM:
+        ctas -= 1
+    narrow = with_knobs(narrow, ctas=ctas)
     return narrow if supports(narrow) else with_knobs(key, part=2)
 
 

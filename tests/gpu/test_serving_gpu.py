@@ -453,6 +453,65 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
         assert_bitwise_equal(state.score[slot], expect[1], f"score_state slot {slot}")
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 256), (128, 1, 512), (128, 2, 128)])
+def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim):
+    """A split call's second launch, run alone into a NaN-filled output: exactly the
+    requests' head rows stay NaN (the first launch's), every other row equals the whole
+    call's bitwise, padding rows are zeros, and neither the state nor cu_seqlens_comp is
+    touched. In a whole call a head row the second launch wrongly wrote could still end
+    up right, if the first launch's write landed after it."""
+    from csa_ops import host
+    from csa_ops.kernels import extend_plan
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    width, num_slots = coff * head_dim, 6
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    def as_int32(values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+    lengths, start = [700, 300, 0, 900, 650, 500], [5, 130, 0, 300, -3, 64]
+    slots = [0, 1, 2, 3, 4, 9]  # the last two requests are not ok: start < 0, slot >= 6
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    tokens, batch = cu[-1], len(lengths)
+    kv, score = randn(tokens, width), randn(tokens, width)
+    ape = randn(ratio, width, dtype=torch.float32)
+    kv_state = randn(num_slots, coff * ratio, width)
+    score_state = randn(num_slots, coff * ratio, width, dtype=torch.float32)
+    heads, total = set(), 0
+    for n, p in zip(lengths, start, strict=True):
+        rows = (max(p, 0) + n) // ratio - max(p, 0) // ratio
+        heads |= set(range(total, total + min(rows, coff)))
+        total += rows
+    num_rows = total + 5
+    want, _ = OP(kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots),
+                 kv_state.clone(), score_state.clone(), ratio, coff, num_rows)
+
+    problem = host.extend_problem(kv, ratio, coff, batch)
+    requests_launch, rows_launch = extend_plan.launches(problem.key)
+    assert (requests_launch.knobs.part, rows_launch.knobs.part) == (1, 2)
+    out = torch.full((num_rows, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cuc = torch.full((batch + 1,), -7, dtype=torch.int32, device="cuda")
+    kv_after, score_after = kv_state.clone(), score_state.clone()
+    tensors = (kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots), kv_after,
+               score_after, out, cuc)
+    grid = extend_plan.plan(rows_launch, tokens, batch, num_rows, problem.num_sms).grid
+    host.launch_key("ext", rows_launch, tensors, (tokens, num_rows, batch, num_slots), grid)
+    torch.cuda.synchronize()
+    left = set(torch.isnan(out.float()).any(dim=1).nonzero().flatten().tolist())
+    assert left == heads
+    others = [n for n in range(num_rows) if n not in heads]
+    assert_bitwise_equal(out[others], want[others], "rows of the second launch")
+    assert int(torch.count_nonzero(out[total:])) == 0, "padding rows not zero"
+    assert_bitwise_equal(kv_after, kv_state, "kv_state")
+    assert_bitwise_equal(score_after, score_state, "score_state")
+    assert cuc.tolist() == [-7] * (batch + 1)
+
+
 @pytest.mark.parametrize("ratio,coff", [(4, 1), (4, 2), (128, 1)])
 def test_adversarial_extend_kernel_extremes(ratio, coff):
     """Empty batches and token sets, capacities below the true row count, repeated slots:
