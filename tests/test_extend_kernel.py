@@ -204,8 +204,7 @@ def test_rows_launch_adds_a_cta_per_sm_only_where_shared_memory_holds_it():
             assert (r.part, r.cv) == (2, max(1, k.cv // 2)) or rows == with_knobs(key, part=2)
             assert r.ctas in (k.ctas, min(4, k.ctas + 1))
             if r.ctas > k.ctas:
-                smem = streaming_plan._smem_bytes(rows.elem_bytes, r.vec, r.cv, r.wpc, r.kt,
-                                                  False, r.stages, bool(r.parity))
+                smem = streaming_plan.key_smem_bytes(rows, False)
                 assert smem * r.ctas <= streaming_plan.SMEM_PER_SM
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
     key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)

@@ -43,6 +43,13 @@ def _smem_bytes(elem_bytes: int, vec: int, cv: int, wpc: int, kt: int, backward:
     return fixed + stages * stage + 1024
 
 
+def key_smem_bytes(key: KernelKey, backward: bool) -> int:
+    """Shared memory of one CTA of `key` in one direction."""
+    k = key.knobs
+    return _smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, backward, k.stages,
+                       bool(k.parity))
+
+
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
               *, cv: int | None = None, ctas: int | None = None, stages: int | None = None,
               **overrides: int) -> KernelKey:
@@ -90,8 +97,7 @@ def supports(key: KernelKey) -> bool:
     if k.parity not in (0, 1, 2) or (
             k.parity and not torch_order.supported(key.window, key.head_dim)):
         return False
-    smem = max(_smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, backward, k.stages,
-                           bool(k.parity)) for backward in (False, True))
+    smem = max(key_smem_bytes(key, backward) for backward in (False, True))
     return smem <= SMEM_PER_SM
 
 
@@ -172,8 +178,7 @@ def rows_launch(key: KernelKey) -> KernelKey:
     the A/B."""
     k = key.knobs
     narrow = with_knobs(key, part=2, cv=max(1, k.cv // 2))
-    smem = _smem_bytes(key.elem_bytes, k.vec, narrow.knobs.cv, k.wpc, k.kt, False, k.stages,
-                       bool(k.parity))
+    smem = key_smem_bytes(narrow, False)
     ctas = min(4, k.ctas + 1)
     while ctas > k.ctas and smem * ctas > SMEM_PER_SM:
         ctas -= 1
