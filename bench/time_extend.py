@@ -81,12 +81,12 @@ def mixed_case(serving, head_dim: int, ratio: int, coff: int, decodes: int,
 
 
 def _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms):
-    """step(i): the key's launches (extend_plan.launches) on input set i (bench_serving's
+    """step(i): the key's launches (extend_plan.plans) on input set i (bench_serving's
     rotation)."""
     sets, head_dim = case["sets"], key.head_dim
     num_tokens = case["kv"][0].shape[0]
-    launches = [(part, extend_plan.plan(part, num_tokens, batch, num_rows, num_sms).grid)
-                for part in extend_plan.launches(key)]
+    launches = [(part, laid.grid)
+                for part, laid in extend_plan.plans(key, num_tokens, batch, num_rows, num_sms)]
     device = case["kv"][0].device
     out = torch.empty(num_rows, head_dim, dtype=case["kv"][0].dtype, device=device)
     cuc = torch.empty(batch + 1, dtype=torch.int32, device=device)

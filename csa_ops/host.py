@@ -628,10 +628,9 @@ def prepare_extend(problem: Problem, num_tokens: int, num_rows: int, num_request
     key = problem.key
     a = key.align_bytes
     # (kernel, its grid) per launch: one, or a split call's two parts
-    launches = [(_launcher_for(problem._replace(key=part), "ext"),
-                 extend_plan.plan(part, num_tokens, num_requests, num_rows,
-                                  problem.num_sms).grid)
-                for part in extend_plan.launches(key)]
+    launches = [(_launcher_for(problem._replace(key=part), "ext"), laid.grid)
+                for part, laid in extend_plan.plans(key, num_tokens, num_requests, num_rows,
+                                                    problem.num_sms)]
     stream, index = launcher.current_stream_handle, problem.device_index
     sizes = (num_tokens, num_rows, num_requests, num_slots)
     out_shape = (num_rows, key.head_dim)

@@ -179,33 +179,44 @@ def test_plan_covers_requests_then_rows():
         many = extend_plan.plan(key, tokens, 10**6, 0, 132).grid // blocks
         assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
     # A split call: the requests' items (one CTA per request where they reach), then the
-    # rows as the forward places them, in CTAs half as wide, 3 per SM (396 slots, 16 blocks:
-    # 24 groups, evened out to 22 of 3 rows).
+    # rows in CTAs half as wide, 4 per SM (shared memory holds 4), in one wave beside the
+    # requests' CTAs less a group: 132 x 4 slots, less 2 per requests' CTA (2 per SM: their
+    # registers are 2 of ours), over 16 column blocks, 29 groups, 28 planned.
     requests, rows = extend_plan.launches(extend_plan.for_size(key, 1))
     assert (requests.knobs.part, rows.knobs.part, rows.knobs.pdl) == (1, 2, True)
-    assert (rows.knobs.cv, rows.knobs.ctas) == (key.knobs.cv // 2, 3)
+    assert (rows.knobs.cv, rows.knobs.ctas) == (key.knobs.cv // 2, 4)
     assert dataclasses.replace(rows, knobs=key.knobs) == key  # launch knobs only
     assert extend_plan.plan(requests, 8192, 4, 64, 132) == LaunchPlan(grid=4 * blocks)
     assert extend_plan.plan(requests, 8192, 0, 0, 132) == LaunchPlan(grid=blocks)  # cuc
-    assert extend_plan.plan(rows, 8192, 4, 64, 132) == LaunchPlan(grid=22 * 2 * blocks)
-    assert extend_plan.plan(rows, 8192, 4, 0, 132) == LaunchPlan(grid=2 * blocks)
-    assert (extend_plan.plan(rows, 8192, 4, 10**6, 132)
-            == streaming_plan.plan_forward(rows, 8192, 10**6, 132))
+    split = extend_plan.for_size(key, 1)
+    assert extend_plan.plans(split, 8192, 4, 64, 132) == (
+        (requests, LaunchPlan(grid=4 * blocks)), (rows, LaunchPlan(grid=28 * 2 * blocks)))
+    # Fewer rows than that: a CTA per row; none: one CTA per column block.
+    assert extend_plan.plans(split, 8192, 4, 20, 132)[1] == (rows, LaunchPlan(grid=40 * blocks))
+    assert extend_plan.plans(split, 8192, 4, 0, 132)[1] == (rows, LaunchPlan(grid=2 * blocks))
+    # Where the requests' CTAs take most of a wave: half a wave (132 x 4 / 2 / 16 = 16
+    # groups); at most MAX_ROWS rows per CTA.
+    assert (extend_plan.plans(split, 8192, 64, 64, 132)[1]
+            == (rows, LaunchPlan(grid=16 * 2 * blocks)))
+    many = extend_plan.plans(split, 8192, 4, 10**6, 132)[1][1].grid // (2 * blocks)
+    assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
+    with pytest.raises(ValueError, match="planned beside its requests"):
+        extend_plan.plan(rows, 8192, 4, 64, 132)
     with pytest.raises(ValueError, match="first part"):
         extend_plan.launches(rows)
 
 
-def test_rows_launch_adds_a_cta_per_sm_only_where_shared_memory_holds_it():
+def test_rows_launch_takes_the_ctas_per_sm_that_shared_memory_holds():
     for problem in ((128, 1, 512), (128, 2, 128), (256, 2, 64), (512, 1, 64)):
         for key in streaming_plan.enumerate_keys(*problem, "bfloat16", "sm_90a", False):
             k = key.knobs
             rows = streaming_plan.rows_launch(with_knobs(key, part=1))
             r = rows.knobs
             assert (r.part, r.cv) == (2, max(1, k.cv // 2)) or rows == with_knobs(key, part=2)
-            assert r.ctas in (k.ctas, min(4, k.ctas + 1))
-            if r.ctas > k.ctas:
-                smem = streaming_plan.key_smem_bytes(rows, False)
-                assert smem * r.ctas <= streaming_plan.SMEM_PER_SM
+            smem = streaming_plan.key_smem_bytes(rows, False)
+            fit = min(4, streaming_plan.SMEM_PER_SM // smem)
+            assert r.ctas == max(k.ctas, fit) or rows == with_knobs(key, part=2)
+            assert r.ctas == k.ctas or smem * r.ctas <= streaming_plan.SMEM_PER_SM
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
     key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)
     assert streaming_plan.rows_launch(with_knobs(key, part=1)).knobs.ctas == 2

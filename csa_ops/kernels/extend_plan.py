@@ -118,14 +118,29 @@ def supports(key: KernelKey) -> bool:
     return window_plan.supports(key) or streaming_plan.supports(key)
 
 
+def plans(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+          num_sms: int) -> tuple[tuple[KernelKey, LaunchPlan], ...]:
+    """(key, plan) of each launch of one call of extend key `key` (for_size's), in order.
+    A split streaming call's rows launch is planned beside its requests' launch."""
+    first, *rest = launches(key)
+    planned = ((first, plan(first, num_tokens, num_requests, num_rows, num_sms)),)
+    for part in rest:
+        if part.family == "streaming":
+            laid = streaming_plan.plan_rows(part, num_rows, num_sms, first, planned[0][1].grid)
+        else:
+            laid = plan(part, num_tokens, num_requests, num_rows, num_sms)
+        planned += ((part, laid),)
+    return planned
+
+
 def plan(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
          num_sms: int) -> LaunchPlan:
-    """One launch of `key` (an entry of `launches`). Register windows: one CTA per `rpc`
-    work items and column chunk; the items are each request's (its state), then each output
-    row unless the key's requests pool their own rows; a split call's parts have the
-    requests' items and the row items. At least one CTA: a launch with row items, or whose
-    requests pool their own rows, writes cu_seqlens_comp. Streaming:
-    streaming_plan.plan_extend."""
+    """One launch of `key` (an entry of `launches`; a split streaming call's rows launch
+    goes through `plans`). Register windows: one CTA per `rpc` work items and column chunk;
+    the items are each request's (its state), then each output row unless the key's
+    requests pool their own rows; a split call's parts have the requests' items and the row
+    items. At least one CTA: a launch with row items, or whose requests pool their own rows,
+    writes cu_seqlens_comp. Streaming: streaming_plan.plan_extend."""
     if key.family == "streaming":
         return streaming_plan.plan_extend(key, num_tokens, num_requests, num_rows, num_sms)
     if key.knobs.lane_requests and key.knobs.part == 2 and num_requests > LANE_BATCH:

@@ -43,6 +43,11 @@ def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(n))
 
 
+def _chunk(t: cute.Tensor, h: int, n: int) -> cute.Tensor:
+    """Elements [h * n, (h + 1) * n) of a vector, flat: one fp32 access of a wider one."""
+    return cute.make_tensor(t.iterator + h * n, cute.make_layout(n))
+
+
 class _Streaming:
     """One compiled configuration; every attribute is a compile-time constant."""
 
@@ -322,11 +327,7 @@ class _Streaming:
         launch writes them). Starts with the barrier that publishes the row table."""
         VEC, CV, S = self.vec, self.cv, self.stages
         sTile, sApe, sRed, sT0, sFl, sG = tables
-        mode = cute.nvgpu.LoadCacheMode.ALWAYS
-        if const_expr(VEC * self.dtype.width == 128):
-            mode = cute.nvgpu.LoadCacheMode.GLOBAL
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), self.dtype,
-                                   num_bits_per_copy=max(32, VEC * self.dtype.width))
+        atom = self._g2s_atom(self.dtype, VEC)
         cute.arch.barrier()
 
         for p in cutlass.range_constexpr(S - 1):
@@ -428,6 +429,14 @@ class _Streaming:
             if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
                 body(t0 + k, (k // self.r) * self.ncv + colc, k, self._phys(c, k))
 
+    def _g2s_atom(self, dtype, elems: int):
+        """cp.async of `elems` elements of `dtype` (16-byte copies bypass L1)."""
+        mode = cute.nvgpu.LoadCacheMode.ALWAYS
+        if const_expr(elems * dtype.width == 128):
+            mode = cute.nvgpu.LoadCacheMode.GLOBAL
+        return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=mode), dtype,
+                                   num_bits_per_copy=max(32, elems * dtype.width))
+
     @cute.jit
     def _copy(self, atom, src, dst):
         if const_expr(self.async_copy):
@@ -439,8 +448,7 @@ class _Streaming:
         """Entry k's ape over column vector c, fp32 (row k % ratio, coff-half k // ratio)."""
         ap = cute.make_rmem_tensor((self.vec,), Float32)
         for h in range(self.ah):  # trace-time loop (not a cute.jit function)
-            part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
-            part.store(sApe[(None, k, h, c)].load())
+            _chunk(ap, h, self.av).store(sApe[(None, k, h, c)].load())
         return ap
 
     def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
@@ -797,8 +805,8 @@ class _StreamingExtend(_Streaming):
         ap = cute.make_rmem_tensor((self.vec,), Float32)
         half = k // self.r
         for h in cutlass.range_constexpr(self.ah):
-            part = cute.make_tensor(ap.iterator + h * self.av, cute.make_layout(self.av))
-            part.store(gApe[(None, (k - half * self.r, self._ape_chunk(half, colc, h)))].load())
+            chunk = self._ape_chunk(half, colc, h)
+            _chunk(ap, h, self.av).store(gApe[(None, (k - half * self.r, chunk))].load())
         lg = cute.make_rmem_tensor((self.vec,), Float32)
         for v in cutlass.range_constexpr(self.vec):
             lg[v] = sc[v] + ap[v]
@@ -809,29 +817,35 @@ class _StreamingExtend(_Streaming):
                        cb):
         """Block q's window: entry k holds position (q - coff + 1) * ratio + k; from the new
         tokens at positions >= start, else from the state (entry e holds position
-        (start // ratio - coff + 1) * ratio + e); before the sequence, nothing (masked)."""
-        CV, R, W = self.cv, self.r, self.w
+        (start // ratio - coff + 1) * ratio + e); before the sequence, nothing (masked).
+        The state's entries go by cp.async, all in flight at once (one round trip to DRAM,
+        not one per entry a thread gathers). New tokens, whose logits add ape in registers,
+        are the window's last entries: a thread reaches them after its copies are issued."""
+        R, W = self.r, self.w
         win0 = (q - (self.co - 1)) * R
         st0 = (start // R - (self.co - 1)) * R
+        kv_atom = self._g2s_atom(self.dtype, self.vec)
+        logit_atom = self._g2s_atom(Float32, self.av)
         for r in cutlass.range_constexpr(self.loads):
             idx = tid + self.nt * r
-            k = idx // CV
-            c = idx % CV
-            colc = cb * CV + c
-            if k < W and colc < self.ncv:
-                pos = win0 + k
-                gc = (k // R) * self.ncv + colc
+            k, c = idx // self.cv, idx % self.cv
+            colc, pos = cb * self.cv + c, win0 + k
+            if k < W and colc < self.ncv and pos >= 0:
                 ph = self._phys(c, k)
+                gc = (k // R) * self.ncv + colc
                 if pos >= start:
                     t = tok0 + (pos - start)
                     sTile[(None, ph, k, 1, 0)].store(gKV[(None, (t, gc))].load())
-                    sLg[(None, ph, k)].store(
-                        self._new_logits(gSc, gApe, t, gc, k, colc).load())
-                elif pos >= 0:
-                    e = cutlass.max(cutlass.min(pos - st0, Int32(W - 1)), Int32(0))
-                    entry = slot * W + e
-                    sTile[(None, ph, k, 1, 0)].store(gKVs[(None, (entry, gc))].load())
-                    sLg[(None, ph, k)].store(gSs[(None, (entry, gc))].load())
+                    sLg[(None, ph, k)].store(self._new_logits(gSc, gApe, t, gc, k, colc).load())
+                else:
+                    entry = slot * W + cutlass.max(cutlass.min(pos - st0, Int32(W - 1)),
+                                                   Int32(0))
+                    self._copy(kv_atom, gKVs[(None, (entry, gc))], sTile[(None, ph, k, 1, 0)])
+                    src, dst = gSs[(None, (entry, gc))], sLg[(None, ph, k)]
+                    for h in cutlass.range_constexpr(self.ah):
+                        cute.copy(logit_atom, _chunk(src, h, self.av), _chunk(dst, h, self.av))
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _pool(self, sTile, sLg, gApe, sRed, sScr, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,

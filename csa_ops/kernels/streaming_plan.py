@@ -116,8 +116,12 @@ def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
                     yield key
 
 
+def _column_blocks(key: KernelKey) -> int:
+    return -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
+
+
 def _plan(key: KernelKey, num_rows: int, num_sms: int, backward: bool) -> LaunchPlan:
-    cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
+    cb = _column_blocks(key)
     slots = max(1, num_sms * key.knobs.ctas)
     groups = min(max(1, slots // cb), max(1, num_rows))
     # Even out rows per CTA and keep each CTA's rows within its row table.
@@ -155,10 +159,11 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
     count is odd: requests whose blocks complete together are often a power of two apart
     (positions that advanced together, power-of-two ratios), and would otherwise share a
     CTA. A split call (part knob, extend_plan.for_size) launches the requests' items (part
-    1), then the other rows (part 2) as the forward places them."""
-    if key.knobs.part == 2:  # a split call's rows: the forward's plan
-        return _plan(key, num_rows, num_sms, False)
-    cb = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
+    1, this plan), then the other rows (part 2, `plan_rows`)."""
+    if key.knobs.part == 2:
+        raise ValueError(f"a split call's rows launch is planned beside its requests' "
+                         f"(plan_rows), got {key!r}")
+    cb = _column_blocks(key)
     items = max(1, num_requests + (0 if key.knobs.part == 1 else num_rows))
     step = num_tokens == num_requests
     groups = min(items, max(1, (1 if step else EXTEND_WAVES) * num_sms * key.knobs.ctas // cb))
@@ -167,22 +172,34 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
     return LaunchPlan(grid=max(groups, -(-items // MAX_ROWS)) * cb)
 
 
+def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
+              requests_grid: int) -> LaunchPlan:
+    """Part 2 of a split call (`rows_launch`'s key), beside part 1 (`requests`, launched
+    with `requests_grid` CTAs): the rows strided over as many groups as one wave holds, less
+    one. A wave is `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the registers
+    of ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once;
+    a group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
+    from state by 2048 new tokens (64 rows, 16 column blocks, 132 x 4 - 32 x 2 = 464 slots),
+    graph replay: 28 groups 14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09,
+    22 (the forward's plan at 3 CTAs per SM) 14.72-15.05 (training forward 12.29-12.54).
+    Where part 1 leaves less than half a wave, half a wave."""
+    cb = _column_blocks(key)
+    ctas = key.knobs.ctas
+    slots = num_sms * ctas - requests_grid * -(-ctas // requests.knobs.ctas)
+    groups = max(slots // cb - 1, num_sms * ctas // (2 * cb))
+    groups = min(groups, num_rows)
+    return LaunchPlan(grid=max(1, groups, -(-num_rows // MAX_ROWS)) * cb)
+
+
 def rows_launch(key: KernelKey) -> KernelKey:
     """The rows launch (part 2) of a split extend call whose requests' launch is `key`: CTAs
-    half as wide and one more per SM where shared memory allows (a column's bits do not
-    depend on the CTA's width), so that they share SMs with the requests' CTAs and still
-    run in one wave. H200, d512 r128 c1, 4 requests from state by 2048 new tokens, graph
-    replay: 15.75 us in a bench_serving run (22 row groups of 3 rows; training forward
-    12.47), against 16.35-16.8 for the one-launch kernel and 19.3 at the forward's width
-    and plan (2 rows per CTA, whose last CTAs wait for a second wave). bench/README has
-    the A/B."""
+    half as wide (a column's bits do not depend on the CTA's width), as many per SM as
+    shared memory holds (up to 4), so that they share SMs with the requests' CTAs and run in
+    one wave (`plan_rows`). bench/README has the A/B."""
     k = key.knobs
     narrow = with_knobs(key, part=2, cv=max(1, k.cv // 2))
-    smem = key_smem_bytes(narrow, False)
-    ctas = min(4, k.ctas + 1)
-    while ctas > k.ctas and smem * ctas > SMEM_PER_SM:
-        ctas -= 1
-    narrow = with_knobs(narrow, ctas=ctas)
+    fit = min(4, SMEM_PER_SM // key_smem_bytes(narrow, False))
+    narrow = with_knobs(narrow, ctas=max(k.ctas, fit))
     return narrow if supports(narrow) else with_knobs(key, part=2)
 
 
