@@ -324,8 +324,7 @@ def _build(key: KernelKey):
         return tok0 + (q * R - start)
 
     def is_head_row(h, rows):
-        """Whether a request's row h is one of its first coff, which its own item pools."""
-        return h < cutlass.min(rows, Int32(C))
+        return h < requests.head_rows(rows, C)
 
     @cute.jit
     def pool_later_rows(p_kv, p_score, p_out, sApe, base, rows, q0, start, tok0, num_rows, cv,
@@ -391,7 +390,7 @@ def _build(key: KernelKey):
         elif active and item < num_reqs:
             ok, tok0, start, length, slot, rows = batch.request(cu, starts, slots, item,
                                                                 num_tokens, num_slots)
-            heads = cutlass.min(rows, Int32(C))
+            heads = requests.head_rows(rows, C)
             for h in cutlass.range_constexpr(early_heads):
                 if ok and heads > h:
                     gather(p_kv, p_score, p_kvs, p_ss, *windows[h], start // R + h, start, tok0,

@@ -18,6 +18,12 @@ from cutlass import Int32, Int64, cute
 INT32_MAX = 2**31 - 1
 
 
+def head_rows(rows, coff: int):
+    """A request's head rows: its first min(rows, coff), whose windows reach back into the
+    state. The request's own item pools them; a row item never does."""
+    return cutlass.min(rows, Int32(coff))
+
+
 class Batch:
     """The requests of one extend call, seen from a CTA of `threads` threads (whole warps)."""
 

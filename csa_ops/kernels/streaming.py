@@ -1045,7 +1045,7 @@ class _StreamingExtend(_Streaming):
                 sBase[(b - rg) // groups] = running
             if const_expr(self.has_rows):
                 n0, hi = self._rows_here(running, rows_b, rg - num_reqs, groups, num_rows)
-                heads = cutlass.min(rows_b, Int32(C))
+                heads = requests.head_rows(rows_b, C)
                 for n in cutlass.range(n0, hi, groups, unroll=1):
                     j = (num_reqs + n - rg) // groups
                     if j < ni:
@@ -1144,7 +1144,7 @@ class _StreamingExtend(_Streaming):
         that it can never be set on a window that is not."""
         t0 = Int32(0)
         fl = Int32(SKIP_ROW)
-        if h >= cutlass.min(rows_b, Int32(self.co)):
+        if h >= requests.head_rows(rows_b, self.co):
             fl = Int32(0)
             if ok:
                 q = start // self.r + h
@@ -1187,7 +1187,7 @@ class _StreamingExtend(_Streaming):
             ok, tok0, start, length, slot, rows = self.batch.request(
                 mCu, mStart, mSlots, item, num_tokens, num_slots)
             base = sBase[j]
-            for h in cutlass.range(cutlass.min(rows, Int32(C)), unroll=1):
+            for h in cutlass.range(requests.head_rows(rows, C), unroll=1):
                 n = base + h
                 if n >= 0 and n < num_rows:
                     if ok:
