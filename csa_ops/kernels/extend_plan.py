@@ -123,10 +123,11 @@ def plans(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
     """(key, plan) of each launch of one call of extend key `key` (for_size's), in order.
     A split streaming call's rows launch is planned beside its requests' launch."""
     first, *rest = launches(key)
-    planned = ((first, plan(first, num_tokens, num_requests, num_rows, num_sms)),)
+    first_plan = plan(first, num_tokens, num_requests, num_rows, num_sms)
+    planned = ((first, first_plan),)
     for part in rest:
         if part.family == "streaming":
-            laid = streaming_plan.plan_rows(part, num_rows, num_sms, first, planned[0][1].grid)
+            laid = streaming_plan.plan_rows(part, num_rows, num_sms, first, first_plan.grid)
         else:
             laid = plan(part, num_tokens, num_requests, num_rows, num_sms)
         planned += ((part, laid),)

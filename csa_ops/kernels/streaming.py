@@ -38,14 +38,10 @@ ITEM_DONE = -2
 SKIP_ROW = 8
 
 
-def _flat(t: cute.Tensor, n: int) -> cute.Tensor:
-    """A flat n-element view of a sliced vector (the shape cute.copy expects)."""
-    return cute.make_tensor(t.iterator, cute.make_layout(n))
-
-
-def _chunk(t: cute.Tensor, h: int, n: int) -> cute.Tensor:
-    """Elements [h * n, (h + 1) * n) of a vector, flat: one fp32 access of a wider one."""
-    return cute.make_tensor(t.iterator + h * n, cute.make_layout(n))
+def _flat(t: cute.Tensor, n: int, h: int = 0) -> cute.Tensor:
+    """Elements [h * n, (h + 1) * n) of a sliced vector as a flat view (the shape cute.copy
+    expects; h > 0: one 16-byte fp32 access of a wider vector)."""
+    return cute.make_tensor(t.iterator + h * n if h else t.iterator, cute.make_layout(n))
 
 
 class _Streaming:
@@ -359,12 +355,11 @@ class _Streaming:
                 else:
                     self._row(*args, True)
             elif const_expr(not self.bwd):
-                zeros = lane == 0 and wp == 0 and cb * CV + cvw < self.ncv
+                zeros = lane == 0 and wp == 0
                 if const_expr(skips):
                     zeros = zeros and fl != SKIP_ROW
                 if zeros:
-                    self._store(gOut[(None, (rg + j * groups, cb * CV + cvw))],
-                                [Float32(0.0)] * VEC)
+                    self._zero_vector(gOut, rg + j * groups, cb * CV + cvw)
 
     @cute.jit
     def _zero_vector(self, gOut, n, colc):
@@ -448,7 +443,7 @@ class _Streaming:
         """Entry k's ape over column vector c, fp32 (row k % ratio, coff-half k // ratio)."""
         ap = cute.make_rmem_tensor((self.vec,), Float32)
         for h in range(self.ah):  # trace-time loop (not a cute.jit function)
-            _chunk(ap, h, self.av).store(sApe[(None, k, h, c)].load())
+            _flat(ap, self.av, h).store(sApe[(None, k, h, c)].load())
         return ap
 
     def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
@@ -806,7 +801,7 @@ class _StreamingExtend(_Streaming):
         half = k // self.r
         for h in cutlass.range_constexpr(self.ah):
             chunk = self._ape_chunk(half, colc, h)
-            _chunk(ap, h, self.av).store(gApe[(None, (k - half * self.r, chunk))].load())
+            _flat(ap, self.av, h).store(gApe[(None, (k - half * self.r, chunk))].load())
         lg = cute.make_rmem_tensor((self.vec,), Float32)
         for v in cutlass.range_constexpr(self.vec):
             lg[v] = sc[v] + ap[v]
@@ -843,7 +838,7 @@ class _StreamingExtend(_Streaming):
                     self._copy(kv_atom, gKVs[(None, (entry, gc))], sTile[(None, ph, k, 1, 0)])
                     src, dst = gSs[(None, (entry, gc))], sLg[(None, ph, k)]
                     for h in cutlass.range_constexpr(self.ah):
-                        cute.copy(logit_atom, _chunk(src, h, self.av), _chunk(dst, h, self.av))
+                        cute.copy(logit_atom, _flat(src, self.av, h), _flat(dst, self.av, h))
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
