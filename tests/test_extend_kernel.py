@@ -39,9 +39,10 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     assert built == extend_plan.keys(forward)
     if forward.family == "window":
         assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
-    else:  # the forward's key for decode-sized calls, its two parts (PDL) for larger ones
-        requests = with_knobs(forward, part=1, pdl=True)
-        assert built == (forward, requests, streaming_plan.rows_launch(requests))
+    else:  # narrower CTAs for decode-sized calls, in two parts (PDL) for larger ones
+        narrow = streaming_plan.narrow(forward)
+        requests = with_knobs(narrow, part=1, pdl=True)
+        assert built == (narrow, requests, with_knobs(requests, part=2))
     # Each size class launches the forward's geometry-free knobs differently; the flags
     # that fix a row's bits (fast_exp) are the forward's.
     assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
@@ -66,10 +67,12 @@ def test_rows_pool_with_the_forward_operations(cfg):
     # logits' adds (one rounding each), counted exactly on the forward-knob parts: the
     # state's, one per entry, half and column, in the part that updates it. One placement
     # difference is allowed: the compiler may sink a softmax's sum (window - 1 adds) into
-    # both arms of cm.divide_into's branch, where each arm still adds once.
+    # both arms of cm.divide_into's branch, where each arm still adds once, in the extend
+    # kernel or in the forward it is compared with.
     forward = extend_plan.configure(*cfg, "sm_90a")
     parts = extend_plan.launches(extend_plan.for_size(forward, 1))
-    assert parts == (with_knobs(forward, part=1), with_knobs(forward, part=2))
+    few_items = with_knobs(forward, vec=min(forward.knobs.vec, 2), threads=128)
+    assert parts == (with_knobs(few_items, part=1), with_knobs(forward, part=2))
     parts += extend_plan.launches(extend_plan.for_size(forward, extend_plan.FEW_LARGE))[1:]
     assert parts[2] == with_knobs(forward, part=2, lane_requests=True)
     for key in extend_plan.keys(forward):
@@ -84,7 +87,7 @@ def test_rows_pool_with_the_forward_operations(cfg):
             sunk = ext.count("add.rn.f32") - sites * fwd.count("add.rn.f32") - state_logits
             sums = sunk // (key.window - 1)
             assert sunk == sums * (key.window - 1), (key, sunk)
-            assert 0 <= sums <= sites * key.knobs.vec, (key, sunk)
+            assert abs(sums) <= sites * key.knobs.vec, (key, sunk)
 
 
 @pytest.mark.parametrize("cfg", [(4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16")],
@@ -143,7 +146,9 @@ def test_plan_covers_requests_then_rows():
     assert extend_plan.launches(key) == (key,)
     requests, rows = extend_plan.launches(with_knobs(key, part=1))
     assert (requests.knobs.part, rows.knobs.part) == (1, 2)
-    assert extend_plan.plan(requests, 4096, 256, 64, 132) == LaunchPlan(grid=-(-256 // rpc))
+    assert (requests.knobs.vec, requests.knobs.threads, rows.knobs.vec) == (2, 128, 4)
+    assert extend_plan.plan(requests, 4096, 256, 64, 132) == LaunchPlan(
+        grid=-(-256 // window_plan.geometry(requests).rpc))
     assert extend_plan.plan(rows, 4096, 256, 64, 132) == LaunchPlan(grid=-(-64 // rpc))
     assert extend_plan.plan(rows, 4096, 3, 0, 132) == LaunchPlan(grid=1)
     assert extend_plan.launches(with_knobs(key, part=2)) == (requests, rows)
@@ -178,19 +183,20 @@ def test_plan_covers_requests_then_rows():
     for tokens in (10**6, 10**7):
         many = extend_plan.plan(key, tokens, 10**6, 0, 132).grid // blocks
         assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
-    # A split call: the requests' items (one CTA per request where they reach), then the
-    # rows in CTAs half as wide, 4 per SM (shared memory holds 4), in one wave beside the
-    # requests' CTAs less a group: 132 x 4 slots, less 2 per requests' CTA (2 per SM: their
-    # registers are 2 of ours), over 16 column blocks, 29 groups, 28 planned.
+    # A split call, both parts in CTAs half as wide, 4 per SM (shared memory holds 4): the
+    # requests' items (one CTA per request and column block where they reach), then the
+    # rows in one wave beside the requests' CTAs less a group: 132 x 4 slots, less the
+    # requests' 64, over 16 column blocks, 29 groups, 28 planned.
     requests, rows = extend_plan.launches(extend_plan.for_size(key, 1))
     assert (requests.knobs.part, rows.knobs.part, rows.knobs.pdl) == (1, 2, True)
+    assert rows == with_knobs(requests, part=2)
     assert (rows.knobs.cv, rows.knobs.ctas) == (key.knobs.cv // 2, 4)
     assert dataclasses.replace(rows, knobs=key.knobs) == key  # launch knobs only
-    assert extend_plan.plan(requests, 8192, 4, 64, 132) == LaunchPlan(grid=4 * blocks)
-    assert extend_plan.plan(requests, 8192, 0, 0, 132) == LaunchPlan(grid=blocks)  # cuc
+    assert extend_plan.plan(requests, 8192, 4, 64, 132) == LaunchPlan(grid=4 * 2 * blocks)
+    assert extend_plan.plan(requests, 8192, 0, 0, 132) == LaunchPlan(grid=2 * blocks)  # cuc
     split = extend_plan.for_size(key, 1)
     assert extend_plan.plans(split, 8192, 4, 64, 132) == (
-        (requests, LaunchPlan(grid=4 * blocks)), (rows, LaunchPlan(grid=28 * 2 * blocks)))
+        (requests, LaunchPlan(grid=4 * 2 * blocks)), (rows, LaunchPlan(grid=28 * 2 * blocks)))
     # Fewer rows than that: a CTA per row; none: one CTA per column block.
     assert extend_plan.plans(split, 8192, 4, 20, 132)[1] == (rows, LaunchPlan(grid=40 * blocks))
     assert extend_plan.plans(split, 8192, 4, 0, 132)[1] == (rows, LaunchPlan(grid=2 * blocks))
@@ -206,20 +212,22 @@ def test_plan_covers_requests_then_rows():
         extend_plan.launches(rows)
 
 
-def test_rows_launch_takes_the_ctas_per_sm_that_shared_memory_holds():
+def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
     for problem in ((128, 1, 512), (128, 2, 128), (256, 2, 64), (512, 1, 64)):
         for key in streaming_plan.enumerate_keys(*problem, "bfloat16", "sm_90a", False):
             k = key.knobs
-            rows = streaming_plan.rows_launch(with_knobs(key, part=1))
-            r = rows.knobs
-            assert (r.part, r.cv) == (2, max(1, k.cv // 2)) or rows == with_knobs(key, part=2)
-            smem = streaming_plan.key_smem_bytes(rows, False)
+            narrow = streaming_plan.narrow(key)
+            n = narrow.knobs
+            assert n.cv == max(1, k.cv // 2) or narrow == key
+            smem = streaming_plan.key_smem_bytes(narrow, False)
             fit = min(4, streaming_plan.SMEM_PER_SM // smem)
-            assert r.ctas == max(k.ctas, fit) or rows == with_knobs(key, part=2)
-            assert r.ctas == k.ctas or smem * r.ctas <= streaming_plan.SMEM_PER_SM
+            assert n.ctas == max(k.ctas, fit) or narrow == key
+            assert n.ctas == k.ctas or smem * n.ctas <= streaming_plan.SMEM_PER_SM
+            assert dataclasses.replace(narrow, knobs=k) == key  # launch knobs only
+            assert extend_plan.for_size(key, extend_plan.STEP) == narrow
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
     key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)
-    assert streaming_plan.rows_launch(with_knobs(key, part=1)).knobs.ctas == 2
+    assert streaming_plan.narrow(key).knobs.ctas == 2
 
 
 def test_support_covers_both_families():
@@ -228,10 +236,12 @@ def test_support_covers_both_families():
     assert not extend_plan.supports(extend_plan.configure(32, 2, 64, "bfloat16", "sm_90a"))
     streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
     assert streaming.family == "streaming" and extend_plan.supports(streaming)
-    assert extend_plan.for_size(streaming, 0) == streaming
-    assert extend_plan.for_size(streaming, extend_plan.STEP) == streaming
+    narrow = streaming_plan.narrow(streaming)
+    assert (narrow.knobs.cv, narrow.knobs.ctas) == (streaming.knobs.cv // 2, 4)
+    assert extend_plan.for_size(streaming, 0) == narrow
+    assert extend_plan.for_size(streaming, extend_plan.STEP) == narrow
     for size in (1, extend_plan.FEW_LARGE):
-        assert extend_plan.for_size(streaming, size) == with_knobs(streaming, part=1, pdl=True)
+        assert extend_plan.for_size(streaming, size) == with_knobs(narrow, part=1, pdl=True)
     with pytest.raises(ValueError, match="StreamingKnobs.part must be 0, 1 or 2"):
         with_knobs(streaming, part=3)
     # No family runs fp32 at ratio 128 (the streaming kernels take bf16 and fp16).
@@ -267,14 +277,16 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
     assert decode.knobs.preload_decode and not (larger.knobs.preload_decode or
                                                 forward.knobs.preload_decode)
-    assert larger == with_knobs(forward, part=1)  # split, at the forward's knobs
+    assert larger == with_knobs(forward, part=1)  # split
     step = extend_plan.for_size(forward, extend_plan.STEP)
     assert step == with_knobs(decode, request_rows=True)
     assert not any(key.knobs.request_rows for key in (decode, larger))
     assert not any(key.knobs.part for key in (decode, step))
     rows = with_knobs(forward, part=2)
     by_lanes = with_knobs(rows, lane_requests=True)
-    assert extend_plan.keys(forward) == (decode, larger, rows, by_lanes, step)
+    requests = extend_plan.launches(larger)[0]  # at a decode-sized call's width
+    assert requests == with_knobs(forward, part=1, vec=2, threads=128)
+    assert extend_plan.keys(forward) == (decode, requests, rows, by_lanes, step)
     for key in extend_plan.keys(forward):  # only launch knobs differ from the forward's
         assert dataclasses.replace(key, knobs=forward.knobs) == forward
         assert extend_plan.supports(key)

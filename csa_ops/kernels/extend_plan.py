@@ -4,7 +4,7 @@ The extend kernel compiles from its problem's forward key, whose knobs fix the b
 row, so emitted rows equal the forward's bit for bit: kernels/extend.py for the
 register-window family (window.py's per-column softmax; its launch knobs vary by call
 size), the streaming family's extend kernel (kernels/streaming.py: the forward's own row
-code) for larger windows.
+code, in narrower CTAs: streaming_plan.narrow) for larger windows.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def from_forward(key: KernelKey, **overrides: int) -> KernelKey:
 # registers (118 against the forward's 77: 4 CTAs per SM instead of 6), launch apart from
 # the row items, which then run at 77. The first part gathers all its head rows' windows
 # and state loads at once (178 registers, a few CTAs): its chain of dependent loads, not
-# the row items, otherwise sets the call's time. Graph replay, 4 requests from state, one
-# run: 4 x 256 / 1024 / 2048 / 8192 new tokens 7.35 / 10.69 / 15.46 / 46.9 us, against
+# the row items, otherwise sets the call's time. Its CTAs take few items' knobs (vec 2,
+# 128 threads, as decode-sized calls): 4 x 2048, graph replay, one process each, 13.98
+# against 15.30 us at the forward's vec 4 (training forward 13.34). Graph replay, 4
+# requests from state, one run, the first part at the forward's knobs: 4 x 256 / 1024 /
+# 2048 / 8192 new tokens 7.35 / 10.69 / 15.46 / 46.9 us, against
 # 7.99 / 12.80 / 16.43 / 54.5 in one launch with the forward's knobs and 9.11 / 12.65 / 17.56
 # / 59.1 with its 256-thread CTAs (the training forward: 4.48 / 8.39 / 12.96 / 40.65).
 # Split calls of few requests (at most LANE_BATCH, the lanes of a warp) and at least
@@ -80,18 +83,25 @@ def size_class(num_tokens: int, num_requests: int) -> int:
 
 def for_size(key: KernelKey, size: int) -> KernelKey:
     """The extend key of forward key `key` for calls of size class `size` (a streaming key:
-    itself, or split with PDL for calls past decode-sized ones)."""
+    its narrower CTAs, split with PDL for calls past decode-sized ones)."""
     if key.family == "streaming":
         # Larger calls split: the rows past the requests' heads run in the forward's own
         # pipelined loop beside the requests' launch (PDL, whatever the forward's).
-        return with_knobs(key, part=1, pdl=True) if size in (1, FEW_LARGE) else key
+        narrow = streaming_plan.narrow(key)
+        return with_knobs(narrow, part=1, pdl=True) if size in (1, FEW_LARGE) else narrow
     if size == STEP:
         # A call with as many tokens as requests may still give one request several (its
         # rows past coff then pool one after another): correct, if slower than row items.
         return with_knobs(for_size(key, 0), request_rows=True)
     if size == 0:
-        return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, preload_decode=True)
+        return _few_items(key, preload_decode=True)
     return from_forward(key, part=1, lane_requests=size == FEW_LARGE)
+
+
+def _few_items(key: KernelKey, **knobs: int) -> KernelKey:
+    """Register-window launch knobs for CTAs of few items (decode-sized calls, a split
+    call's requests): more, narrower CTAs."""
+    return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, **knobs)
 
 
 def launches(key: KernelKey) -> tuple[KernelKey, ...]:
@@ -100,10 +110,11 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
     if key.family == "streaming" and key.knobs.part:
         if key.knobs.part != 1:  # its rows launch has launch knobs of its own
             raise ValueError(f"launches takes a split streaming call's first part, got {key!r}")
-        return key, streaming_plan.rows_launch(key)
+        return key, with_knobs(key, part=2)
     if key.family == "window" and key.knobs.part:
-        # Part 1 is the same kernel either way: one key for it.
-        return with_knobs(key, part=1, lane_requests=False), with_knobs(key, part=2)
+        # Part 1 is the same kernel either way (one key for it), at few items' knobs.
+        return (_few_items(with_knobs(key, lane_requests=False), part=1),
+                with_knobs(key, part=2))
     return (key,)
 
 

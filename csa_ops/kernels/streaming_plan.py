@@ -174,15 +174,16 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
 
 def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
               requests_grid: int) -> LaunchPlan:
-    """Part 2 of a split call (`rows_launch`'s key), beside part 1 (`requests`, launched
-    with `requests_grid` CTAs): the rows strided over as many groups as one wave holds, less
-    one. A wave is `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the registers
-    of ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once;
-    a group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
-    from state by 2048 new tokens (64 rows, 16 column blocks, 132 x 4 - 32 x 2 = 464 slots),
-    graph replay: 28 groups 14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09,
-    22 (the forward's plan at 3 CTAs per SM) 14.72-15.05 (training forward 12.29-12.54).
-    Where part 1 leaves less than half a wave, half a wave."""
+    """Part 2 of a split call, beside part 1 (`requests`, launched with `requests_grid`
+    CTAs): the rows strided over as many groups as one wave holds, less one. A wave is
+    `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the registers of
+    ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once; a
+    group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
+    from state by 2048 new tokens (64 rows, 16 column blocks, 464 slots: 132 x 4 less 32
+    requests' CTAs of 2 slots, or 64 of 1), graph replay, with 32 requests' CTAs: 28 groups
+    14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09, 22 (the forward's plan
+    at 3 CTAs per SM) 14.72-15.05 (training forward 12.29-12.54). Where part 1 leaves less
+    than half a wave, half a wave."""
     cb = _column_blocks(key)
     ctas = key.knobs.ctas
     slots = num_sms * ctas - requests_grid * -(-ctas // requests.knobs.ctas)
@@ -191,16 +192,23 @@ def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
     return LaunchPlan(grid=max(1, groups, -(-num_rows // MAX_ROWS)) * cb)
 
 
-def rows_launch(key: KernelKey) -> KernelKey:
-    """The rows launch (part 2) of a split extend call whose requests' launch is `key`: CTAs
-    half as wide (a column's bits do not depend on the CTA's width), as many per SM as
-    shared memory holds (up to 4), so that they share SMs with the requests' CTAs and run in
-    one wave (`plan_rows`). bench/README has the A/B."""
+def narrow(key: KernelKey) -> KernelKey:
+    """csa::compressor_extend's launch knobs (extend_plan.for_size) of forward key `key`: CTAs
+    half as wide (a column's bits do not depend on the CTA's width), as many per SM as shared
+    memory holds (up to 4), `key` itself where that key is not supported. An extend call's
+    items are few and latency-bound: narrower CTAs gather less each and spread over more
+    SMs, and a split call's rows launch shares SMs with its requests' CTAs in one wave
+    (`plan_rows`). H200, d512 r128 c1, graph replay (kernel time), one process per variant:
+    decode steps at batch 1 / 64 / 256 4.39 (4.37) / 6.34 (5.84) / 6.76 (6.27) us against
+    5.20 (5.04) / 7.16 (6.28) / 7.30 (6.71) at the forward's 8 column vectors and 2 CTAs per
+    SM; 2 column vectors took 4.33 / 6.47 / 7.70, 1 took 4.29 / 6.91 / 9.89. 4 requests
+    from state by 2048 new tokens, the requests' launch at 4 column vectors: 14.71 against
+    15.61 us (training forward 12.68), at 2: 17.67."""
     k = key.knobs
-    narrow = with_knobs(key, part=2, cv=max(1, k.cv // 2))
-    fit = min(4, SMEM_PER_SM // key_smem_bytes(narrow, False))
-    narrow = with_knobs(narrow, ctas=max(k.ctas, fit))
-    return narrow if supports(narrow) else with_knobs(key, part=2)
+    narrower = with_knobs(key, cv=max(1, k.cv // 2))
+    fit = min(4, SMEM_PER_SM // key_smem_bytes(narrower, False))
+    narrower = with_knobs(narrower, ctas=max(k.ctas, fit))
+    return narrower if supports(narrower) else key
 
 
 def launch_entry(key: KernelKey, backward: bool):
