@@ -39,10 +39,12 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     assert built == extend_plan.keys(forward)
     if forward.family == "window":
         assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
-    else:  # narrower CTAs for decode-sized calls, in two parts (PDL) for larger ones
+    else:  # narrower CTAs for decode-sized calls and steps, two parts (PDL) for larger
+        # calls (the rows launch narrower), the forward's CTAs for steps past decode-sized
         narrow = streaming_plan.narrow(forward)
-        requests = with_knobs(narrow, part=1, pdl=True)
-        assert built == (narrow, requests, with_knobs(requests, part=2))
+        requests = with_knobs(forward, part=1, pdl=True)
+        rows = with_knobs(streaming_plan.narrow(requests), part=2)
+        assert built == (narrow, requests, rows, forward)
     # Each size class launches the forward's geometry-free knobs differently; the flags
     # that fix a row's bits (fast_exp) are the forward's.
     assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
@@ -183,20 +185,20 @@ def test_plan_covers_requests_then_rows():
     for tokens in (10**6, 10**7):
         many = extend_plan.plan(key, tokens, 10**6, 0, 132).grid // blocks
         assert -(-10**6 // many) <= streaming_plan.MAX_ROWS
-    # A split call, both parts in CTAs half as wide, 4 per SM (shared memory holds 4): the
-    # requests' items (one CTA per request and column block where they reach), then the
-    # rows in one wave beside the requests' CTAs less a group: 132 x 4 slots, less the
-    # requests' 64, over 16 column blocks, 29 groups, 28 planned.
+    # A split call: the requests' items (one CTA per request where they reach), then the
+    # rows in CTAs half as wide, 4 per SM (shared memory holds 4), in one wave beside the
+    # requests' CTAs less a group: 132 x 4 slots, less 2 per requests' CTA (2 per SM: their
+    # registers are 2 of ours), over 16 column blocks, 29 groups, 28 planned.
     requests, rows = extend_plan.launches(extend_plan.for_size(key, 1))
     assert (requests.knobs.part, rows.knobs.part, rows.knobs.pdl) == (1, 2, True)
-    assert rows == with_knobs(requests, part=2)
+    assert requests == with_knobs(key, part=1, pdl=True)
     assert (rows.knobs.cv, rows.knobs.ctas) == (key.knobs.cv // 2, 4)
     assert dataclasses.replace(rows, knobs=key.knobs) == key  # launch knobs only
-    assert extend_plan.plan(requests, 8192, 4, 64, 132) == LaunchPlan(grid=4 * 2 * blocks)
-    assert extend_plan.plan(requests, 8192, 0, 0, 132) == LaunchPlan(grid=2 * blocks)  # cuc
+    assert extend_plan.plan(requests, 8192, 4, 64, 132) == LaunchPlan(grid=4 * blocks)
+    assert extend_plan.plan(requests, 8192, 0, 0, 132) == LaunchPlan(grid=blocks)  # cuc
     split = extend_plan.for_size(key, 1)
     assert extend_plan.plans(split, 8192, 4, 64, 132) == (
-        (requests, LaunchPlan(grid=4 * 2 * blocks)), (rows, LaunchPlan(grid=28 * 2 * blocks)))
+        (requests, LaunchPlan(grid=4 * blocks)), (rows, LaunchPlan(grid=28 * 2 * blocks)))
     # Fewer rows than that: a CTA per row; none: one CTA per column block.
     assert extend_plan.plans(split, 8192, 4, 20, 132)[1] == (rows, LaunchPlan(grid=40 * blocks))
     assert extend_plan.plans(split, 8192, 4, 0, 132)[1] == (rows, LaunchPlan(grid=2 * blocks))
@@ -225,6 +227,7 @@ def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
             assert n.ctas == k.ctas or smem * n.ctas <= streaming_plan.SMEM_PER_SM
             assert dataclasses.replace(narrow, knobs=k) == key  # launch knobs only
             assert extend_plan.for_size(key, extend_plan.STEP) == narrow
+            assert extend_plan.for_size(key, extend_plan.LARGE_STEP) == key
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
     key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)
     assert streaming_plan.narrow(key).knobs.ctas == 2
@@ -240,8 +243,9 @@ def test_support_covers_both_families():
     assert (narrow.knobs.cv, narrow.knobs.ctas) == (streaming.knobs.cv // 2, 4)
     assert extend_plan.for_size(streaming, 0) == narrow
     assert extend_plan.for_size(streaming, extend_plan.STEP) == narrow
+    assert extend_plan.for_size(streaming, extend_plan.LARGE_STEP) == streaming
     for size in (1, extend_plan.FEW_LARGE):
-        assert extend_plan.for_size(streaming, size) == with_knobs(narrow, part=1, pdl=True)
+        assert extend_plan.for_size(streaming, size) == with_knobs(streaming, part=1, pdl=True)
     with pytest.raises(ValueError, match="StreamingKnobs.part must be 0, 1 or 2"):
         with_knobs(streaming, part=3)
     # No family runs fp32 at ratio 128 (the streaming kernels take bf16 and fp16).
@@ -270,8 +274,9 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
     assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 1, few, few]
     # Row items by lanes only for batches a warp holds.
     assert [extend_plan.size_class(3072, b) for b in (1, 32, 33)] == [few, few, 1]
-    # As many tokens as requests: a decode step, whatever the size.
-    assert {extend_plan.size_class(n, n) for n in sizes} == {extend_plan.STEP}
+    # As many tokens as requests: a decode step, past decode-sized ones a large one.
+    assert [extend_plan.size_class(n, n) for n in sizes] == (
+        [extend_plan.STEP] * 3 + [extend_plan.LARGE_STEP] * 5)
     decode, larger, few_large = (extend_plan.for_size(forward, size) for size in range(3))
     assert few_large == with_knobs(forward, part=1, lane_requests=True)
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
@@ -280,6 +285,7 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
     assert larger == with_knobs(forward, part=1)  # split
     step = extend_plan.for_size(forward, extend_plan.STEP)
     assert step == with_knobs(decode, request_rows=True)
+    assert extend_plan.for_size(forward, extend_plan.LARGE_STEP) == step
     assert not any(key.knobs.request_rows for key in (decode, larger))
     assert not any(key.knobs.part for key in (decode, step))
     rows = with_knobs(forward, part=2)

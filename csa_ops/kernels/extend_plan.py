@@ -4,7 +4,7 @@ The extend kernel compiles from its problem's forward key, whose knobs fix the b
 row, so emitted rows equal the forward's bit for bit: kernels/extend.py for the
 register-window family (window.py's per-column softmax; its launch knobs vary by call
 size), the streaming family's extend kernel (kernels/streaming.py: the forward's own row
-code, in narrower CTAs: streaming_plan.narrow) for larger windows.
+code; narrower CTAs where they pay, streaming_plan.narrow) for larger windows.
 """
 
 from __future__ import annotations
@@ -69,13 +69,16 @@ LANE_BATCH = 32
 LANE_TOKENS = 3072
 FEW_LARGE = 2  # the class of split calls whose rows go by lanes
 STEP = 3  # the class of decode steps
+LARGE_STEP = 4  # ... of more than DECODE_SIZED requests
+SIZE_CLASSES = range(LARGE_STEP + 1)
 
 
 def size_class(num_tokens: int, num_requests: int) -> int:
     """0: decode-sized calls (by new tokens), 1: larger ones, FEW_LARGE: larger still and of
-    few requests; STEP: decode steps, as many new tokens as requests, whatever the size."""
+    few requests; STEP: decode steps, as many new tokens as requests, LARGE_STEP where they
+    are more than decode-sized."""
     if num_tokens == num_requests:
-        return STEP
+        return STEP if num_tokens <= DECODE_SIZED else LARGE_STEP
     if num_tokens <= DECODE_SIZED:
         return 0
     return FEW_LARGE if num_tokens >= LANE_TOKENS and num_requests <= LANE_BATCH else 1
@@ -83,13 +86,17 @@ def size_class(num_tokens: int, num_requests: int) -> int:
 
 def for_size(key: KernelKey, size: int) -> KernelKey:
     """The extend key of forward key `key` for calls of size class `size` (a streaming key:
-    its narrower CTAs, split with PDL for calls past decode-sized ones)."""
+    narrower CTAs for decode-sized calls and steps, split with PDL past them)."""
     if key.family == "streaming":
+        # Decode-sized calls and steps: CTAs of few latency-bound items (streaming_plan.narrow).
         # Larger calls split: the rows past the requests' heads run in the forward's own
-        # pipelined loop beside the requests' launch (PDL, whatever the forward's).
-        narrow = streaming_plan.narrow(key)
-        return with_knobs(narrow, part=1, pdl=True) if size in (1, FEW_LARGE) else narrow
-    if size == STEP:
+        # pipelined loop beside the requests' launch (PDL, whatever the forward's). Steps of
+        # more requests keep the forward's CTAs: every CTA scans the batch, and a narrower one
+        # takes twice as long over it (d512 r128 c1 B1024 graph replay 10.72 us against 9.18).
+        if size in (0, STEP):
+            return streaming_plan.narrow(key)
+        return with_knobs(key, part=1, pdl=True) if size in (1, FEW_LARGE) else key
+    if size in (STEP, LARGE_STEP):
         # A call with as many tokens as requests may still give one request several (its
         # rows past coff then pool one after another): correct, if slower than row items.
         return with_knobs(for_size(key, 0), request_rows=True)
@@ -110,7 +117,11 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
     if key.family == "streaming" and key.knobs.part:
         if key.knobs.part != 1:  # its rows launch has launch knobs of its own
             raise ValueError(f"launches takes a split streaming call's first part, got {key!r}")
-        return key, with_knobs(key, part=2)
+        # The rows launch in narrower CTAs, which share SMs with the requests' and run in
+        # one wave (streaming_plan.plan_rows). The requests' launch keeps the forward's:
+        # d512 r128 c1 4 x 2048, graph replay, one run, 13.75 us against 13.92 and 14.66
+        # narrowed (training forward 12.21-12.36).
+        return key, with_knobs(streaming_plan.narrow(key), part=2)
     if key.family == "window" and key.knobs.part:
         # Part 1 is the same kernel either way (one key for it), at few items' knobs.
         return (_few_items(with_knobs(key, lane_requests=False), part=1),
@@ -121,7 +132,7 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
 def keys(key: KernelKey) -> tuple[KernelKey, ...]:
     """Every extend kernel calls of forward key `key` may launch (precompile builds them
     all)."""
-    return tuple(dict.fromkeys(launched for size in range(STEP + 1)
+    return tuple(dict.fromkeys(launched for size in SIZE_CLASSES
                                for launched in launches(for_size(key, size))))
 
 

@@ -179,11 +179,10 @@ def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
     `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the registers of
     ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once; a
     group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
-    from state by 2048 new tokens (64 rows, 16 column blocks, 464 slots: 132 x 4 less 32
-    requests' CTAs of 2 slots, or 64 of 1), graph replay, with 32 requests' CTAs: 28 groups
-    14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09, 22 (the forward's plan
-    at 3 CTAs per SM) 14.72-15.05 (training forward 12.29-12.54). Where part 1 leaves less
-    than half a wave, half a wave."""
+    from state by 2048 new tokens (64 rows, 16 column blocks, 132 x 4 - 32 x 2 = 464 slots),
+    graph replay: 28 groups 14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09,
+    22 (the forward's plan at 3 CTAs per SM) 14.72-15.05 (training forward 12.29-12.54).
+    Where part 1 leaves less than half a wave, half a wave."""
     cb = _column_blocks(key)
     ctas = key.knobs.ctas
     slots = num_sms * ctas - requests_grid * -(-ctas // requests.knobs.ctas)
@@ -193,17 +192,17 @@ def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
 
 
 def narrow(key: KernelKey) -> KernelKey:
-    """csa::compressor_extend's launch knobs (extend_plan.for_size) of forward key `key`: CTAs
-    half as wide (a column's bits do not depend on the CTA's width), as many per SM as shared
-    memory holds (up to 4), `key` itself where that key is not supported. An extend call's
-    items are few and latency-bound: narrower CTAs gather less each and spread over more
-    SMs, and a split call's rows launch shares SMs with its requests' CTAs in one wave
-    (`plan_rows`). H200, d512 r128 c1, graph replay (kernel time), one process per variant:
-    decode steps at batch 1 / 64 / 256 4.39 (4.37) / 6.34 (5.84) / 6.76 (6.27) us against
-    5.20 (5.04) / 7.16 (6.28) / 7.30 (6.71) at the forward's 8 column vectors and 2 CTAs per
-    SM; 2 column vectors took 4.33 / 6.47 / 7.70, 1 took 4.29 / 6.91 / 9.89. 4 requests
-    from state by 2048 new tokens, the requests' launch at 4 column vectors: 14.71 against
-    15.61 us (training forward 12.68), at 2: 17.67."""
+    """Launch knobs of csa::compressor_extend's latency-bound launches (extend_plan: decode-
+    sized calls and steps, a split call's rows launch) from key `key`: CTAs half as wide (a
+    column's bits do not depend on the CTA's width), as many per SM as shared memory holds
+    (up to 4); `key` itself where that key is not supported. Narrower CTAs gather less each
+    and spread a call's few items over more SMs, and a split call's rows launch shares SMs
+    with its requests' CTAs in one wave (`plan_rows`). H200, d512 r128 c1, graph replay
+    (kernel time), one process per variant: decode steps at batch 1 / 64 / 256 4.39 (4.37) /
+    6.34 (5.84) / 6.76 (6.27) us against 5.20 (5.04) / 7.16 (6.28) / 7.30 (6.71) at the
+    forward's 8 column vectors and 2 CTAs per SM (2 column vectors: 4.33 / 6.47 / 7.70; 1:
+    4.29 / 6.91 / 9.89); 8 requests by 32 tokens from state 5.28 against 5.80. d512 r128 c2
+    decode steps: 10.66 / 12.13 / 15.27 against 11.36 / 12.22 / 15.82."""
     k = key.knobs
     narrower = with_knobs(key, cv=max(1, k.cv // 2))
     fit = min(4, SMEM_PER_SM // key_smem_bytes(narrower, False))
