@@ -4,7 +4,8 @@
                                               # prefill 4 x 2048 continuing from state
     python bench/bench_serving.py --smoke     # tiny shapes on the CPU: the harness works
 
-Writes serving.json and serving.md under --out (default bench/out/). Each case also gets
+Writes serving.json, serving.md and serving.png (with the bench extra's matplotlib) under
+--out (default bench/out/). Each case also gets
 its DRAM floor: the bytes any implementation must move (serving_traffic.py) over the
 device's measured copy bandwidth.
 """
@@ -337,6 +338,57 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(results: dict, path: Path) -> None:
+    """Decode step time against batch (left) and prefill from state against the training
+    forward (right): graph replay where it was measured (CUDA), else per-call wall time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["results"] if "median_s" in r]
+    timing = "graph" if any(r["timing"] == "graph" for r in rows) else "call"
+
+    def times(kind, config, variant):
+        """(case, us) of one variant's rows: the floor's own row, else `timing`'s."""
+        want = "floor" if variant == FLOOR else timing
+        return [(r["case"], r["median_s"] * 1e6) for r in rows
+                if r["kind"] == kind and r["case"].split()[1] == config
+                and r["variant"] == variant and r["timing"] == want]
+
+    configs = list(dict.fromkeys(r["case"].split()[1] for r in rows))
+    colors = {c: plt.get_cmap("tab10")(i) for i, c in enumerate(configs)}
+    fig, (dec_ax, pre_ax) = plt.subplots(1, 2, figsize=(15, 6))
+    styles = {"op": "-", "compiled step": "--", "eager step": ":", FLOOR: "-."}
+    for config in configs:
+        for variant, ls in styles.items():
+            pts = sorted((int(case.rsplit("B", 1)[1]), us)
+                         for case, us in times("decode", config, variant))
+            if pts:
+                dec_ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", ms=4,
+                            color=colors[config], label=f"{config} {variant}")
+    dec_ax.set_xscale("log", base=2)
+    dec_ax.set_yscale("log")
+    dec_ax.set_xlabel("requests (one new token each)")
+    dec_ax.set_title(f"decode step: time per step (us, {timing})", fontsize=10)
+    dec_ax.grid(True, which="both", alpha=0.3)
+    dec_ax.legend(fontsize=7)
+    bars = ("op", "training forward", FLOOR)
+    for j, variant in enumerate(bars):
+        heights = [next((us for _, us in times("prefill", c, variant)), 0.0) for c in configs]
+        pre_ax.bar([k + (j - 1) * 0.27 for k in range(len(configs))], heights, 0.27,
+                   label=variant)
+    pre_ax.set_xticks(range(len(configs)), configs)
+    pre_ax.set_title(f"4 requests continuing from state: time per call (us, {timing})",
+                     fontsize=10)
+    pre_ax.legend(fontsize=8)
+    meta = results["meta"]
+    fig.suptitle(f"csa::compressor_extend on {meta['device_name']} ({meta['dtype']}, torch "
+                 f"{meta['torch']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -379,8 +431,11 @@ def main(argv=None) -> dict:
     table = markdown(results)
     (out / "serving.json").write_text(json.dumps(results, indent=1))
     (out / "serving.md").write_text(table)
+    written = [out / "serving.json", out / "serving.md"]
+    if report.draw_if_available(plot, results, out / "serving.png"):
+        written.append(out / "serving.png")
     _log(table)
-    _log(f"wrote {out / 'serving.json'} and {out / 'serving.md'} in {meta['elapsed_s']:.1f}s")
+    _log(f"wrote {', '.join(map(str, written))} in {meta['elapsed_s']:.1f}s")
     return results
 
 

@@ -192,20 +192,24 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(results: dict, table: str, out: Path, plot_png: bool = True) -> list[Path]:
-    """Writes the JSON and markdown, then the plot when matplotlib (the bench extra) is
-    installed; without it the run still succeeds and says the plot was skipped."""
-    paths = [out / "results.json", out / "results.md"]
-    paths[0].write_text(json.dumps(results, indent=1, default=str))
-    paths[1].write_text(table + "\n")
-    if not plot_png:
-        return paths
+def draw_if_available(draw, results: dict, path: Path) -> bool:
+    """draw(results, path) when matplotlib (the bench extra) is installed; without it the
+    run still succeeds and says the plot was skipped."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib is not installed (pip install 'csa-ops[bench]'): skipped the plot",
               flush=True)
-        return paths
-    paths.append(out / "results.png")
-    plot(results, paths[-1])
+        return False
+    draw(results, path)
+    return True
+
+
+def write(results: dict, table: str, out: Path, plot_png: bool = True) -> list[Path]:
+    """Writes the JSON and markdown, then the plot (`draw_if_available`)."""
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(results, indent=1, default=str))
+    paths[1].write_text(table + "\n")
+    if plot_png and draw_if_available(plot, results, out / "results.png"):
+        paths.append(out / "results.png")
     return paths

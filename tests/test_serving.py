@@ -461,4 +461,6 @@ def test_bench_serving_smoke(tmp_path):
             assert 0 < r["median_s"] < 10
     table = (tmp_path / "serving.md").read_text()
     assert "| case | variant | timing | time us |" in table
+    png = (tmp_path / "serving.png").read_bytes()  # per-call times: CPU has no graphs
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
