@@ -341,10 +341,7 @@ def markdown(results: dict) -> str:
 def plot(results: dict, path: Path) -> None:
     """Decode step time against batch (left) and prefill from state against the training
     forward (right): graph replay where it was measured (CUDA), else per-call wall time."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     rows = [r for r in results["results"] if "median_s" in r]
     timing = "graph" if any(r["timing"] == "graph" for r in rows) else "call"
 
@@ -381,12 +378,7 @@ def plot(results: dict, path: Path) -> None:
     pre_ax.set_title(f"4 requests continuing from state: time per call (us, {timing})",
                      fontsize=10)
     pre_ax.legend(fontsize=8)
-    meta = results["meta"]
-    fig.suptitle(f"csa::compressor_extend on {meta['device_name']} ({meta['dtype']}, torch "
-                 f"{meta['torch']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, results, "csa::compressor_extend", path)
 
 
 def main(argv=None) -> dict:

@@ -139,10 +139,7 @@ def markdown(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> None:
     """Time and achieved bandwidth against tokens, one column per direction."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in results["results"] if "median_s" in r]
     directions = ("fwd", "bwd", "fwd+bwd")
     names = list(dict.fromkeys(r["variant"] for r in results["results"]))
@@ -184,12 +181,25 @@ def plot(results: dict, path: Path) -> None:
                               label=f"ratio {c[0]} coff {c[1]} d {c[2]}") for c in configs]
     if cfg_handles:
         axes[1][0].legend(handles=cfg_handles, fontsize=7, loc="lower right")
+    save_figure(fig, results, "csa::compressor", path)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only backend (no display on the bench machines)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, results: dict, op: str, path: Path) -> None:
+    """Titles `fig` with the op and the run's device, dtype and torch, saves and closes it."""
     meta = results["meta"]
-    fig.suptitle(f"csa::compressor on {meta['device_name']} ({meta['dtype']}, torch "
-                 f"{meta['torch']})")
+    fig.suptitle(f"{op} on {meta['device_name']} ({meta['dtype']}, torch {meta['torch']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def draw_if_available(draw, results: dict, path: Path) -> bool:
