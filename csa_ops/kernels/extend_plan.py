@@ -119,8 +119,9 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
             raise ValueError(f"launches takes a split streaming call's first part, got {key!r}")
         # The rows launch in narrower CTAs, which share SMs with the requests' and run in
         # one wave (streaming_plan.plan_rows). The requests' launch keeps the forward's:
-        # d512 r128 c1 4 x 2048, graph replay, one run, 13.75 us against 13.92 and 14.66
-        # narrowed (training forward 12.21-12.36).
+        # narrowed, it gained in one machine session and lost in another (d512 r128 c1
+        # 4 x 2048, graph replay, one process each: 14.71 us against 15.61; 13.92 and
+        # 14.66 against 13.75).
         return key, with_knobs(streaming_plan.narrow(key), part=2)
     if key.family == "window" and key.knobs.part:
         # Part 1 is the same kernel either way (one key for it), at few items' knobs.
