@@ -4,16 +4,17 @@
         "step:vec=2,threads=128,preload_decode=1,request_rows=1" \
         "sized:vec=2,threads=128,preload_decode=1" "p:vec=4,threads=128,part=1"
 
-Each variant is LABEL:KNOBS, the register-window forward key of --config with those knobs
-(csa_ops.config.parse_knobs; part=1 runs a split call's two launches). Labels starting with
-"p" run the prefill cases (4 requests continuing from state, bench_serving.py's), the
-others the decode steps; --mixed adds prefill cases of D decode requests batched ahead of
-one request continuing by the first --prefill-tokens (an engine's mixed step). Every key is
-launched directly (host.launch_key) on the same inputs; its rows, cu_seqlens_comp and new
-state must equal the first variant's bit for bit. Then rounds of CUDA-graph replays
-(--rounds, every variant in each round, so drift hits all alike) and, in the first three
-rounds, the profiler's kernel time (a split call's: the sum of its two launches' durations,
-which overlap). The training forward joins the prefill cases.
+Each variant is LABEL:KNOBS, the forward key of --config (either family: d512_r128c1 runs
+the streaming kernel) with those knobs (csa_ops.config.parse_knobs; part=1 runs a split
+call's two launches), or LABEL alone, the key the op itself launches for each case's call
+(extend_plan.for_size). Labels starting with "p" run the prefill cases (4 requests
+continuing from state, bench_serving.py's), the others the decode steps; --mixed adds
+prefill cases of D decode requests batched ahead of one request continuing by the first
+--prefill-tokens (an engine's mixed step). Every key is launched directly
+(host.launch_key) on the same inputs; its rows, cu_seqlens_comp and new state must equal
+the first variant's bit for bit. Then rounds of CUDA-graph replays (--rounds, every variant
+in each round, so drift hits all alike) and, in the first three rounds, the profiler's
+kernel time (a split call's: the sum of its two launches' durations, which overlap). The training forward joins the prefill cases.
 """
 
 from __future__ import annotations
@@ -140,15 +141,22 @@ def time_case(name, steps, rounds: int, sets: int) -> None:
               "us", flush=True)
 
 
+def variant_keys(variants: list[str], forward) -> dict:
+    """LABEL -> forward key `forward` with LABEL:KNOBS's knobs, or None for a bare LABEL
+    (the op's own key for each case's call)."""
+    keys = {}
+    for variant in variants:
+        label, sep, knobs = variant.partition(":")
+        keys[label] = with_knobs(forward, **parse_knobs(knobs)) if sep else None
+    return keys
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     serving = bench_serving.parse_args(["--no-compile"])
     head_dim, ratio, coff, _ = bench_serving._config(serving, args.config)
-    forward = extend_plan.configure(ratio, coff, head_dim, "bfloat16", "sm_90a")
-    keys = {}
-    for variant in args.variants:
-        label, _, knobs = variant.partition(":")
-        keys[label] = with_knobs(forward, **parse_knobs(knobs))
+    forward = host.select_key(ratio, coff, head_dim, "bfloat16", "sm_90a", False)
+    keys = variant_keys(args.variants, forward)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -166,7 +174,10 @@ def main(argv=None) -> None:
         cases.append((f"mixed {decodes}+1x{tokens}", True, case, case["state"].kv,
                       case["state"].score, case["rows"], decodes + 1))
     for name, prefill, case, kv_state, score_state, num_rows, batch in cases:
-        steps = {label: _launcher(key, case, kv_state, score_state, num_rows, batch, num_sms)
+        tokens = case["kv"][0].shape[0]
+        own = extend_plan.for_size(forward, extend_plan.size_class(tokens, batch))
+        steps = {label: _launcher(own if key is None else key, case, kv_state, score_state,
+                                  num_rows, batch, num_sms)
                  for label, key in keys.items() if label.startswith("p") == prefill}
         if not steps:
             continue

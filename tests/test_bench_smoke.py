@@ -108,6 +108,21 @@ def variants():
     return _bench_module("variants")
 
 
+@pytest.mark.parametrize(("ratio", "coff", "family", "knobs"), [
+    (4, 2, "window", {"vec": 2}), (128, 1, "streaming", {"cv": 4, "ctas": 4})])
+def test_time_extend_takes_variants_of_either_family(ratio, coff, family, knobs):
+    from csa_ops import host
+    from csa_ops.config import with_knobs
+
+    time_extend = _bench_module("time_extend")
+    forward = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a", False)
+    text = ",".join(f"{name}={value}" for name, value in knobs.items())
+    keys = time_extend.variant_keys(["own", "p:part=1", f"v:{text}"], forward)
+    assert keys == {"own": None, "p": with_knobs(forward, part=1),
+                    "v": with_knobs(forward, **knobs)}
+    assert keys["v"].family == family
+
+
 def test_floor_bytes_follow_spec(variants):
     nbytes = variants.algorithmic_bytes(variants.Shape.parse("r4c2_1x8192_d128"), 2)
     inputs = 2 * 8192 * (2 * 128) * 2  # kv + score, bf16
