@@ -14,7 +14,8 @@ prefill cases of D decode requests batched ahead of one request continuing by th
 (host.launch_key) on the same inputs; its rows, cu_seqlens_comp and new state must equal
 the first variant's bit for bit. Then rounds of CUDA-graph replays (--rounds, every variant
 in each round, so drift hits all alike) and, in the first three rounds, the profiler's
-kernel time (a split call's: the sum of its two launches' durations, which overlap). The training forward joins the prefill cases.
+kernel time (a split call's: the sum of its two launches' durations, which overlap). The
+training forward joins the prefill cases.
 """
 
 from __future__ import annotations
