@@ -222,6 +222,18 @@ def _calls_per_sample(step, device, most: int) -> int:
     return max(2, min(most, math.ceil(5e-3 / max(one_call, 1e-7))))
 
 
+def calls_per_sample(step, mode: str, args, sets: int) -> int:
+    """Calls per timed sample, never fewer than the input sets. Device-side modes ("graph",
+    "kernel") take the same calls for every variant of a case: a graph replay's fixed cost
+    (H200: 7-16 us) is shared by its calls, so a variant given fewer would pay more of it
+    per call (prefill r128 c1: 14.37 us per call at 23 calls, 13.94 at 50). Wall-time
+    samples ("call") last about 5 ms."""
+    most = args.calls or (50 if args.device.type == "cuda" else 2)
+    if mode != "call":
+        return max(sets, most)
+    return max(sets, _calls_per_sample(step, args.device, most))
+
+
 def time_step(step, mode: str, args, sets: int) -> dict:
     """Median seconds per call: "call" = per-call wall time, "graph" = replay of one CUDA
     graph holding the calls (device time, host launches gone), "kernel" = the durations of
@@ -229,13 +241,7 @@ def time_step(step, mode: str, args, sets: int) -> dict:
     if mode in ("graph", "kernel") and args.device.type != "cuda":
         return {"status": "n/a (CUDA only)"}
     try:
-        most = args.calls or (50 if args.device.type == "cuda" else 2)
-        # Device-side modes take the same calls for every variant of a case: a graph
-        # replay's fixed cost (H200: 7-16 us) is shared by its calls, so a variant given
-        # fewer would pay more of it per call (prefill r128 c1: 14.37 us per call at 23
-        # calls, 13.94 at 50).
-        calls = max(sets, most if mode != "call" else
-                    _calls_per_sample(step, args.device, most))
+        calls = calls_per_sample(step, mode, args, sets)
         if mode == "call":
             median, samples = timing.time_calls(step, calls, args.warmup, args.iters, args.device)
         elif mode == "kernel":

@@ -239,3 +239,19 @@ def test_sweep_verdict_compares_with_the_default_keys_bits(time_kernels):
     other = (base, base, -base)
     assert time_kernels._verdict(True, grads, other) == \
         "MISMATCH (1 elements differ, 1 beyond one step)"
+
+
+@pytest.mark.parametrize("mode", ["graph", "kernel"])
+def test_serving_device_timings_give_every_variant_the_same_calls(mode):
+    # A graph replay's fixed cost is shared by its calls: every variant of a case replays
+    # the same number, whatever one eager call of it costs (the step is never run here).
+    serving = _bench_module("bench_serving")
+    args = serving.parse_args(["--device", "cpu", "--calls", "50"])
+
+    def step(i):
+        raise AssertionError("device-side modes must not size samples by a timed call")
+
+    assert serving.calls_per_sample(step, mode, args, sets=8) == 50
+    assert serving.calls_per_sample(step, mode, args, sets=64) == 64  # every input set once
+    wall = serving.calls_per_sample(lambda i: None, "call", args, sets=8)
+    assert 8 <= wall <= 50
