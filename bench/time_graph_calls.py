@@ -22,7 +22,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_serving
-import timing
 import torch
 
 import csa_ops  # noqa: F401  (registers the ops)
@@ -44,12 +43,12 @@ def parse_args(argv=None):
     return args
 
 
-def per_call_us(step, calls: int, sets: int) -> float:
-    """Median per-call time (us) of replays of one graph of max(calls, sets) calls."""
-    calls = max(calls, sets)
-    graph, _ = timing.capture_graph(step, calls, 2)
-    median, _ = timing.time_graph(graph, calls, 2, 10)
-    return round(median * 1e6, 2)
+def per_call_us(step, calls: int, serving: argparse.Namespace, sets: int):
+    """bench_serving.time_step's graph replay per call (us) at `calls` calls per graph (at
+    least the input sets), or its status where it could not time."""
+    row = bench_serving.time_step(step, "graph", argparse.Namespace(**vars(serving) | {
+        "calls": calls}), sets)
+    return round(row["median_s"] * 1e6, 2) if "median_s" in row else row["status"]
 
 
 def main(argv=None) -> dict:
@@ -59,7 +58,7 @@ def main(argv=None) -> dict:
                "rows": []}
 
     def record(case: str, variant: str, step, sets: int) -> None:
-        times = [(calls, per_call_us(step, calls, sets)) for calls in args.call_list]
+        times = [(calls, per_call_us(step, calls, serving, sets)) for calls in args.call_list]
         results["rows"].append({"case": case, "variant": variant, "per_call_us": times})
         print(f"{case:28s} {variant:17s} " + "  ".join(f"{c}: {t}" for c, t in times),
               flush=True)
@@ -70,9 +69,10 @@ def main(argv=None) -> dict:
         for variant, step in bench_serving.prefill_steps(case).items():
             record(f"prefill {label} 4x{serving.prefill_tokens}", variant, step, case["sets"])
         del case
+    head_dim, ratio, coff, label = bench_serving._config(serving, "d512_r4c2")
     for batch in args.batch_list:
-        case = bench_serving.decode_case(serving, 512, 4, 2, batch)
-        record(f"decode d512_r4c2 B{batch}", "op",
+        case = bench_serving.decode_case(serving, head_dim, ratio, coff, batch)
+        record(f"decode {label} B{batch}", "op",
                bench_serving.decode_steps(case, False)["op"], case["sets"])
         del case
     if args.json:
