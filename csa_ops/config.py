@@ -51,9 +51,11 @@ class _Knobs:
             elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{type(self).__name__}.{field.name} must be an int, "
                                  f"got {value!r}")
-        if getattr(self, "part", 0) not in (0, 1, 2):
-            raise ValueError(f"{type(self).__name__}.part must be 0, 1 or 2, "
-                             f"got {self.part!r}")  # type: ignore[attr-defined]
+        name, part = type(self).__name__, getattr(self, "part", 0)
+        if part not in (0, 1, 2):
+            raise ValueError(f"{name}.part must be 0, 1 or 2, got {part!r}")
+        if getattr(self, "lane_requests", False) and not part:
+            raise ValueError(f"{name}.lane_requests needs a split call (part 1 or 2)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +90,6 @@ class WindowKnobs(_Knobs):
     # scan, barrier or reload (kernels/extend.py); else part 2 scans the batch per CTA.
     lane_requests: bool = False
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.lane_requests and not self.part:
-            raise ValueError("WindowKnobs.lane_requests needs a split call (part 1 or 2)")
-
 
 @dataclasses.dataclass(frozen=True)
 class StreamingKnobs(_Knobs):
@@ -114,6 +111,10 @@ class StreamingKnobs(_Knobs):
     # other output row (padding and invalid requests' rows: zeros), through the forward's
     # pipelined row loop (kernels/streaming.py), beside part 1.
     part: int = 0
+    # Split calls of at most 32 requests: each warp of part 2 holds the batch in its lanes
+    # and its row groups take the rows part 1 does not pool in order, evenly (no gaps where
+    # part 1's rows lie); else part 2 scans the batch per CTA and strides over all rows.
+    lane_requests: bool = False
 
     @property
     def threads(self) -> int:

@@ -40,11 +40,13 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     if forward.family == "window":
         assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
     else:  # narrower CTAs for decode-sized calls and steps, two parts (PDL) for larger
-        # calls (the rows launch narrower), the forward's CTAs for steps past decode-sized
+        # calls (the rows launch narrower, of few requests by lanes), the forward's CTAs
+        # for steps past decode-sized
         narrow = streaming_plan.narrow(forward)
         requests = with_knobs(forward, part=1, pdl=True)
         rows = with_knobs(streaming_plan.narrow(requests), part=2)
-        assert built == (narrow, requests, rows, forward)
+        by_lanes = with_knobs(rows, lane_requests=True)
+        assert built == (narrow, requests, rows, by_lanes, forward)
     # Each size class launches the forward's geometry-free knobs differently; the flags
     # that fix a row's bits (fast_exp) are the forward's.
     assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
@@ -212,6 +214,19 @@ def test_plan_covers_requests_then_rows():
         extend_plan.plan(rows, 8192, 4, 64, 132)
     with pytest.raises(ValueError, match="first part"):
         extend_plan.launches(rows)
+    # Few requests (FEW_LARGE): the same requests' launch and grid; the rows by lanes where
+    # the fullest group holds two rows or more (60 rows past the heads over 28 groups), by
+    # the scan where each holds one (28 over 28) or where there are none.
+    few = extend_plan.for_size(key, extend_plan.FEW_LARGE)
+    assert few == with_knobs(split, lane_requests=True)
+    by_lanes = with_knobs(rows, lane_requests=True)
+    assert extend_plan.plans(few, 8192, 4, 64, 132) == (
+        (requests, LaunchPlan(grid=4 * blocks)), (by_lanes, LaunchPlan(grid=28 * 2 * blocks)))
+    for num_rows in (0, 20, 32):
+        assert (extend_plan.plans(few, 8192, 4, num_rows, 132)
+                == extend_plan.plans(split, 8192, 4, num_rows, 132))
+    assert extend_plan.plans(few, 8192, 4, 33, 132)[1][0] == by_lanes
+    assert extend_plan.plans(few, 8192, 4, 10**4, 132)[1][0] == by_lanes
 
 
 def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
@@ -244,8 +259,10 @@ def test_support_covers_both_families():
     assert extend_plan.for_size(streaming, 0) == narrow
     assert extend_plan.for_size(streaming, extend_plan.STEP) == narrow
     assert extend_plan.for_size(streaming, extend_plan.LARGE_STEP) == streaming
-    for size in (1, extend_plan.FEW_LARGE):
-        assert extend_plan.for_size(streaming, size) == with_knobs(streaming, part=1, pdl=True)
+    split = with_knobs(streaming, part=1, pdl=True)
+    assert extend_plan.for_size(streaming, 1) == split
+    assert extend_plan.for_size(streaming, extend_plan.FEW_LARGE) == with_knobs(
+        split, lane_requests=True)
     with pytest.raises(ValueError, match="StreamingKnobs.part must be 0, 1 or 2"):
         with_knobs(streaming, part=3)
     # No family runs fp32 at ratio 128 (the streaming kernels take bf16 and fp16).

@@ -93,9 +93,12 @@ def for_size(key: KernelKey, size: int) -> KernelKey:
         # pipelined loop beside the requests' launch (PDL, whatever the forward's). Steps of
         # more requests keep the forward's CTAs: every CTA scans the batch, and a narrower one
         # takes twice as long over it (d512 r128 c1 B1024 graph replay 10.72 us against 9.18).
+        # Split calls of few requests place part 2's rows by lanes, evenly (lane_requests).
         if size in (0, STEP):
             return streaming_plan.narrow(key)
-        return with_knobs(key, part=1, pdl=True) if size in (1, FEW_LARGE) else key
+        if size == FEW_LARGE:
+            return with_knobs(key, part=1, pdl=True, lane_requests=True)
+        return with_knobs(key, part=1, pdl=True) if size == 1 else key
     if size in (STEP, LARGE_STEP):
         # A call with as many tokens as requests may still give one request several (its
         # rows past coff then pool one after another): correct, if slower than row items.
@@ -117,12 +120,14 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
     if key.family == "streaming" and key.knobs.part:
         if key.knobs.part != 1:  # its rows launch has launch knobs of its own
             raise ValueError(f"launches takes a split streaming call's first part, got {key!r}")
+        # Part 1 is the same kernel whichever way part 2 places its rows (one key for it).
         # The rows launch in narrower CTAs, which share SMs with the requests' and run in
         # one wave (streaming_plan.plan_rows). The requests' launch keeps the forward's:
         # narrowed, it gained in one machine session and lost in another (d512 r128 c1
         # 4 x 2048, graph replay, one process each: 14.71 us against 15.61; 13.92 and
         # 14.66 against 13.75).
-        return key, with_knobs(streaming_plan.narrow(key), part=2)
+        return (with_knobs(key, lane_requests=False),
+                with_knobs(streaming_plan.narrow(key), part=2))
     if key.family == "window" and key.knobs.part:
         # Part 1 is the same kernel either way (one key for it), at few items' knobs.
         return (_few_items(with_knobs(key, lane_requests=False), part=1),
@@ -132,7 +137,8 @@ def launches(key: KernelKey) -> tuple[KernelKey, ...]:
 
 def keys(key: KernelKey) -> tuple[KernelKey, ...]:
     """Every extend kernel calls of forward key `key` may launch (precompile builds them
-    all)."""
+    all; `plans` launches a split streaming call's rows by a batch scan where lanes do not
+    pay, class 1's kernel)."""
     return tuple(dict.fromkeys(launched for size in SIZE_CLASSES
                                for launched in launches(for_size(key, size))))
 
@@ -151,6 +157,10 @@ def plans(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
     for part in rest:
         if part.family == "streaming":
             laid = streaming_plan.plan_rows(part, num_rows, num_sms, first, first_plan.grid)
+            groups = laid.grid // streaming_plan.column_blocks(part)
+            if part.knobs.lane_requests and not streaming_plan.rows_by_lanes(
+                    part, num_rows, num_requests, groups):
+                part = with_knobs(part, lane_requests=False)
         else:
             laid = plan(part, num_tokens, num_requests, num_rows, num_sms)
         planned += ((part, laid),)

@@ -99,11 +99,7 @@ class Batch:
         or before n; found checks that its rows hold n (they may not where the int32 count
         wraps, or n lies past the batch's rows)."""
         ok, tok0, start, rows, before, _ = held
-        lane = Int32(0)
-        for j in cutlass.range_constexpr(5):
-            probe = lane + (16 >> j)
-            if cute.arch.shuffle_sync(before, probe) <= n:
-                lane = probe
+        lane = lane_at(n, before)
         first = cute.arch.shuffle_sync(before, lane)
         rows_b = cute.arch.shuffle_sync(rows, lane)
         found = Int64(first) <= Int64(n) and Int64(n) < Int64(first) + Int64(rows_b)
@@ -134,6 +130,19 @@ class Batch:
             below = below + sWarp[w]
             total = total + sWarp[self.warps + w]
         return below, total
+
+
+@cute.jit
+def lane_at(n, first):
+    """The last lane whose `first` is at or below n, for `first` nondecreasing over the
+    lanes from lane 0's (taken where lane 0's is above n): a binary search by shuffles, every
+    lane taking part, each with its own n."""
+    lane = Int32(0)
+    for j in cutlass.range_constexpr(5):
+        probe = lane + (16 >> j)
+        if cute.arch.shuffle_sync(first, probe) <= n:
+            lane = probe
+    return lane
 
 
 @cute.jit

@@ -315,12 +315,13 @@ class _Streaming:
 
     @cute.jit
     def _pipeline(self, nr, tables, gKV, gSc, gApe, gGo, gOut, gGkv, gGsc, gacc, tid, lane, cvw,
-                  wp, cb, rg, groups, num_tokens, skips):
-        """The CTA's rows j < nr (row rg + j * groups, window from token sT0[j], flags
-        sFl[j]): tiles `stages - 1` rows ahead by cp.async, ape staged while the first are in
-        flight, then each row pooled (or its gradient) once its tile lands. Rows that are
-        not real get zeros (forward), except, where `skips`, those flagged SKIP_ROW (another
-        launch writes them). Starts with the barrier that publishes the row table."""
+                  wp, cb, rg, groups, num_tokens, skips, sRow=None):
+        """The CTA's rows j < nr (row rg + j * groups, or sRow[j] where given; window from
+        token sT0[j], flags sFl[j]): tiles `stages - 1` rows ahead by cp.async, ape staged
+        while the first are in flight, then each row pooled (or its gradient) once its tile
+        lands. Rows that are not real get zeros (forward), except, where `skips`, those
+        flagged SKIP_ROW (another launch writes them, or no row). Starts with the barrier
+        that publishes the row table."""
         VEC, CV, S = self.vec, self.cv, self.stages
         sTile, sApe, sRed, sT0, sFl, sG = tables
         atom = self._g2s_atom(self.dtype, VEC)
@@ -344,9 +345,12 @@ class _Streaming:
                             groups, num_tokens, atom)
             cute.arch.cp_async_commit_group()
             fl = sFl[j]
+            n = rg + j * groups
+            if const_expr(sRow is not None):
+                n = sRow[j]
             if (fl & 1) != 0:
-                args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S, rg + j * groups,
-                        sT0[j], fl, num_tokens, tid, lane, cvw, wp, cb)
+                args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S, n, sT0[j], fl,
+                        num_tokens, tid, lane, cvw, wp, cb)
                 if const_expr(self.lean):
                     if (fl & 4) != 0:
                         self._row(*args, False)
@@ -359,7 +363,7 @@ class _Streaming:
                 if const_expr(skips):
                     zeros = zeros and fl != SKIP_ROW
                 if zeros:
-                    self._zero_vector(gOut, rg + j * groups, cb * CV + cvw)
+                    self._zero_vector(gOut, n, cb * CV + cvw)
 
     @cute.jit
     def _zero_vector(self, gOut, n, colc):
@@ -791,6 +795,7 @@ class _StreamingExtend(_Streaming):
         self.quiet_lanes = quiet_lanes(key)
         self.part = key.knobs.part
         self.has_rows = self.part != 1  # this launch has row items (part 1: requests only)
+        self.lanes = key.knobs.lane_requests  # part 2 places its rows by lanes
 
     @cute.jit
     def _new_logits(self, gSc, gApe, t, gc, k, colc):
@@ -1095,7 +1100,8 @@ class _StreamingExtend(_Streaming):
         """Part 2 of a split call: every output row but the requests' heads (part 1's), in
         the forward's own pipelined loop: a row's window lies in the new tokens, so it is
         the forward's row, tiles staged `stages - 1` rows ahead. Rows of requests that are
-        not ok and padding rows get zeros."""
+        not ok and padding rows get zeros. Rows go to the CTAs strided (row n to group
+        n % groups) after a batch scan, or by lanes (`_place_by_lanes`)."""
         # This launch reads only the call's inputs and writes only rows part 1 does not
         # (no state, no head row, no cu_seqlens_comp): nothing part 1 reads or writes. It
         # starts only once every part-1 CTA has passed its wait, so the grids before the
@@ -1105,7 +1111,25 @@ class _StreamingExtend(_Streaming):
         smem = cutlass.memory.SmemAllocator()
         tables = self._row_tables(smem)
         _, _, _, sT0, sFl, _ = tables
-        sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
+        sRow = None
+        if const_expr(self.lanes):
+            sRow = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
+            nr = self._place_by_lanes(sRow, sT0, sFl, rg, groups, mCu, mStart, mSlots,
+                                      num_tokens, num_rows, num_reqs, num_slots, tid, lane)
+        else:
+            nr = self._place_by_scan(sT0, sFl, rg, groups, mCu, mStart, mSlots, num_tokens,
+                                     num_rows, num_reqs, num_slots, tid,
+                                     smem.allocate_tensor(Int32,
+                                                          cute.make_layout(self.batch.warps), 16))
+        self._pipeline(nr, tables, gKV, gSc, gApe, gOut, gOut, gOut, gOut, None, tid, lane,
+                       cvw, wp, cb, rg, groups, num_tokens, True, sRow)
+        cm.complete_after_upstream(self.pdl, bid)
+
+    @cute.jit
+    def _place_by_scan(self, sT0, sFl, rg, groups, mCu, mStart, mSlots, num_tokens, num_rows,
+                       num_reqs, num_slots, tid, sWarp):
+        """rows_kernel's row table, rows rg, rg + groups, ...: a batch scan, then each
+        request's rows that are this CTA's. Returns the CTA's row count."""
         nr = self._rows_owned(rg, num_rows, groups)
         for j in cutlass.range(tid, nr, self.nt, unroll=1):
             sFl[j] = Int32(0)  # zeros, unless a request holds the row
@@ -1125,9 +1149,63 @@ class _StreamingExtend(_Streaming):
                         sT0[j] = t0
                         sFl[j] = fl
             running = running + rows_b
-        self._pipeline(nr, tables, gKV, gSc, gApe, gOut, gOut, gOut, gOut, None, tid, lane,
-                       cvw, wp, cb, rg, groups, num_tokens, True)
-        cm.complete_after_upstream(self.pdl, bid)
+        return nr
+
+    @cute.jit
+    def _place_by_lanes(self, sRow, sT0, sFl, rg, groups, mCu, mStart, mSlots, num_tokens,
+                        num_rows, num_reqs, num_slots, tid, lane):
+        """rows_kernel's row table for at most 32 requests (lane_requests): the rows part 1
+        leaves, in order (each request's rows past its heads, then the padding rows), are
+        places 0, 1, ...; the CTA takes places rg, rg + groups, ... (sRow: their rows), so
+        no group holds a place more than another's but one. Every warp holds the batch in
+        its lanes (Batch.hold_in_lanes) and finds a place's request by shuffles: no scan, no
+        barrier. Where the int32 row count wraps (adversarial cu_seqlens: the requests' rows
+        then overlap), place n is row n, every row still this launch's or part 1's. Returns
+        the CTA's place count."""
+        held = self.batch.hold_in_lanes(mCu, mStart, mSlots, num_reqs, num_tokens, num_slots,
+                                        lane)
+        ok, tok0, start, rows, before, total = held
+        heads = requests.head_rows(rows, self.co)
+        heads_before = requests.warp_prefix(heads, lane) - heads
+        # The rows' offsets are exact (no wrap) iff every inclusive one is >= 0: the first
+        # to pass INT32_MAX wraps negative, each count being below 2**31.
+        ordered = cute.arch.vote_all_sync(before + rows >= 0)
+        first, span, skip = before, rows, Int32(0)  # a lane's places, unordered: its rows
+        places = num_rows
+        left = total  # places before the padding's
+        if ordered:
+            first, span, skip = before - heads_before, rows - heads, heads
+            # Part 1's rows below num_rows, summed over the lanes (each lane's clamped).
+            kept = cutlass.min(before + heads, num_rows) - cutlass.min(before, num_rows)
+            kept = cute.arch.shuffle_sync(requests.warp_prefix(kept, lane), 31)
+            places = num_rows - kept
+            left = total - cute.arch.shuffle_sync(heads_before + heads, 31)
+        nr = self._rows_owned(rg, places, groups)
+        for j0 in cutlass.range(0, nr, self.nt, unroll=1):  # warp-uniform: shuffles inside
+            j = j0 + tid
+            c = rg + j * groups
+            at = requests.lane_at(c, first)
+            f, f_span, f_skip, f_before, f_rows, f_ok, f_tok0, f_start = [
+                cute.arch.shuffle_sync(v, at)
+                for v in (first, span, skip, before, rows, Int32(ok), tok0, start)]
+            found = Int64(f) <= Int64(c) and Int64(c) < Int64(f) + Int64(f_span)
+            h = f_skip + (c - f)  # the row's index among its request's
+            n = c
+            if ordered:
+                n = total + (c - left)  # a padding row, unless a request's
+                if found:
+                    n = f_before + h
+            t0 = Int32(0)
+            fl = Int32(0)  # padding, or a row no request holds: zeros
+            if found:
+                t0, fl = self._later_row(h, f_rows, f_ok != 0, f_tok0, f_start, num_tokens)
+            if n < 0 or n >= num_rows:
+                fl = Int32(SKIP_ROW)
+            if j < nr:
+                sRow[j] = n
+                sT0[j] = t0
+                sFl[j] = fl
+        return nr
 
     @cute.jit
     def _later_row(self, h, rows_b, ok, tok0, start, num_tokens):

@@ -54,26 +54,41 @@ def test_chunked_extend_matches_cuda_compressor(case):
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
+# (first pieces, the second call's pieces, padding rows): 2000-odd tokens each, then
+# bench_serving.py's prefill (4 x 2048 new tokens).
+SPLIT_PREFILLS = [((53, 300, 70, 129), (2047, 1929, 0, 1921), 3),
+                  ((1000, 37, 4099, 5), (2048,) * 4, None)]
+
+
+@pytest.mark.parametrize("pieces", SPLIT_PREFILLS, ids=("uneven", "bench"))
 @pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 512), (128, 2, 128)])
-def test_split_prefill_from_state_matches_cuda_compressor(ratio, coff, head_dim):
+def test_split_prefill_from_state_matches_cuda_compressor(ratio, coff, head_dim, pieces):
     """Long pieces continuing from state (chunked prefill: four requests, then each one's
     next 2000-odd tokens in one call) split into the requests' launch and the rows' launch,
-    which runs the forward's own loop: rows bitwise those of csa::compressor over the whole
-    sequences, padding rows zeros, the state that of one call over all tokens."""
+    which runs the forward's own loop (at d512 r128 c1 its rows placed by lanes): rows
+    bitwise those of csa::compressor over the whole sequences, padding rows zeros, the state
+    that of one call over all tokens."""
     from csa_ops import host
+    from csa_ops.kernels import extend_plan
 
-    lengths = (2100, 2229, 70, 2050)
+    first, second, extra_rows = pieces
+    lengths = [f + n for f, n in zip(first, second, strict=True)]
     req = make_requests(lengths, ratio, coff, head_dim, torch.bfloat16, device="cuda", seed=5)
     slot_of = permuted_slots(len(lengths), 7, 5)
     state = CompressorState(7, ratio, coff, head_dim, torch.bfloat16, "cuda")
-    first = [53, 300, 70, 129]
-    schedule = [list(enumerate(first)),
-                [(i, n - f) for i, (n, f) in enumerate(zip(lengths, first, strict=True))]]
-    tokens = sum(n for _, n in schedule[1])
-    key = host.extend_problem(req.kv[0].new_empty(tokens, req.width), ratio, coff,
-                              len(lengths)).key
-    assert key.family == "streaming" and key.knobs.part == 1
-    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=3)
+    schedule = [list(enumerate(first)), list(enumerate(second))]
+    tokens = sum(second)
+    problem = host.extend_problem(req.kv[0].new_empty(tokens, req.width), ratio, coff,
+                                  len(lengths))
+    assert problem.key.family == "streaming" and problem.key.knobs.part == 1
+    rows = sum((f + n) // ratio - f // ratio for f, n in zip(first, second, strict=True))
+    planned = extend_plan.plans(problem.key, tokens, len(lengths), rows + (extra_rows or 0),
+                                problem.num_sms)
+    (requests_launch, _), (rows_launch, _) = planned
+    assert not requests_launch.knobs.lane_requests
+    if (ratio, coff, head_dim) == (128, 1, 512):  # 2 rows or more per group
+        assert rows_launch.knobs.lane_requests
+    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=extra_rows)
     assert_rows(req, rows, assert_bitwise_equal)
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
@@ -409,7 +424,7 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45]
     key = host.extend_problem(kv, ratio, coff, len(cu) - 1).key
     assert (tokens > extend_plan.DECODE_SIZED) == bool(key.knobs.part)
-    lanes = key.family == "window" and tokens >= extend_plan.LANE_TOKENS
+    lanes = tokens >= extend_plan.LANE_TOKENS
     assert lanes == getattr(key.knobs, "lane_requests", False)
     start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
     slots = [2, 9, 5, 1, 3, 4, 6, 0]
@@ -453,16 +468,20 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
         assert_bitwise_equal(state.score[slot], expect[1], f"score_state slot {slot}")
 
 
+@pytest.mark.parametrize("padding", (5, -4), ids=("padded", "truncated"))
+@pytest.mark.parametrize("lanes", (False, True), ids=("scan", "lanes"))
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 256), (128, 1, 512), (128, 2, 128)])
-def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim):
-    """A split call's second launch, run alone into a NaN-filled output: exactly the
-    requests' head rows stay NaN (the first launch's), every other row equals the whole
-    call's bitwise, padding rows are zeros, and the state is untouched. cu_seqlens_comp is
-    one launch's: the register-window kernel writes it beside its row items (this launch),
-    the streaming kernel beside its requests' (the other). In a whole call a head row the
-    second launch wrongly wrote could still end up right, if the first launch's write
-    landed after it."""
+def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim, lanes,
+                                                          padding):
+    """A split call's second launch (its rows placed by a batch scan or by lanes), run alone
+    into a NaN-filled output: exactly the requests' head rows stay NaN (the first launch's),
+    every other row equals the whole call's bitwise, padding rows are zeros, a capacity
+    below the rows drops the rest, and the state is untouched. cu_seqlens_comp is one launch's: the
+    register-window kernel writes it beside its row items (this launch), the streaming kernel
+    beside its requests' (the other). In a whole call a head row the second launch wrongly
+    wrote could still end up right, if the first launch's write landed after it."""
     from csa_ops import host
+    from csa_ops.config import with_knobs
     from csa_ops.kernels import extend_plan
 
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -489,14 +508,17 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim)
         rows = (max(p, 0) + n) // ratio - max(p, 0) // ratio
         heads |= set(range(total, total + min(rows, coff)))
         total += rows
-    num_rows = total + 5
+    num_rows = total + padding
+    heads = {n for n in heads if n < num_rows}
     want, want_cuc = OP(kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots),
-                        kv_state.clone(), score_state.clone(), ratio, coff, num_rows)
+                        kv_state.clone(), score_state.clone(), ratio, coff, total + 5)
+    want = want[:num_rows]
 
     problem = host.extend_problem(kv, ratio, coff, batch)
     (requests_launch, _), (rows_launch, rows_plan) = extend_plan.plans(
         problem.key, tokens, batch, num_rows, problem.num_sms)
     assert (requests_launch.knobs.part, rows_launch.knobs.part) == (1, 2)
+    rows_launch = with_knobs(rows_launch, lane_requests=lanes)
     out = torch.full((num_rows, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
     cuc = torch.full((batch + 1,), -7, dtype=torch.int32, device="cuda")
     kv_after, score_after = kv_state.clone(), score_state.clone()
@@ -546,6 +568,44 @@ def test_adversarial_extend_kernel_extremes(ratio, coff):
     assert cuc == [0, 10]
     _, cuc = call(5 * r, [0, 2 * r + 2, 5 * r], [0, 3], [1, 1], 7)  # one slot, repeated
     assert cuc == [0, 2, 5]
+
+
+def test_adversarial_row_counts_that_wrap_place_rows_by_lanes_in_bounds():
+    """32 requests whose token counts are each 2**31 - 1 (int32 offsets wrapping at every
+    step) at ratio 17: their row counts sum past INT32_MAX, so the rows launch, by lanes
+    (32 requests, 3400 tokens, rows enough for two a group), cannot place them in order and
+    takes row n as place n. Every request is invalid (its tokens lie past the call's): all
+    rows zeros, every slot untouched, cu_seqlens_comp the reference's wrapped counts."""
+    from csa_ops import host
+    from csa_ops.kernels import extend_plan
+
+    ratio, coff, head_dim, batch, tokens, num_rows = 17, 2, 64, 32, 3400, 700
+    width = coff * head_dim
+    step = 2**31 - 1
+    cu = [((b * step + 2**31) % 2**32) - 2**31 for b in range(batch + 1)]  # int32 wrap
+    start = [5 * b for b in range(batch)]
+    rows = [(p + step) // ratio - p // ratio for p in start]
+    want_cuc = [((sum(rows[:b]) + 2**31) % 2**32) - 2**31 for b in range(batch + 1)]
+    assert sum(rows) > 2**31 - 1
+    kv = torch.randn(tokens, width, device="cuda").bfloat16()
+    problem = host.extend_problem(kv, ratio, coff, batch)
+    (_, _), (rows_launch, _) = extend_plan.plans(problem.key, tokens, batch, num_rows,
+                                                 problem.num_sms)
+    assert problem.key.family == "streaming" and rows_launch.knobs.lane_requests
+    state = CompressorState(batch, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    state.kv.normal_()
+    state.score.normal_()
+    kv_before, score_before = state.kv.clone(), state.score.clone()
+    as_int32 = {"dtype": torch.int32, "device": "cuda"}
+    out, cuc = OP(kv, torch.randn_like(kv), torch.randn(ratio, width, device="cuda"),
+                  torch.tensor(cu, **as_int32), torch.tensor(start, **as_int32),
+                  torch.arange(batch, **as_int32), state.kv, state.score, ratio, coff,
+                  num_rows)
+    torch.cuda.synchronize()
+    assert cuc.tolist() == want_cuc
+    assert out.shape == (num_rows, head_dim) and int(torch.count_nonzero(out)) == 0
+    assert_bitwise_equal(state.kv, kv_before, "kv_state")
+    assert_bitwise_equal(state.score, score_before, "score_state")
 
 
 @pytest.mark.parametrize("ratio,coff", [(128, 1), (128, 2)])
