@@ -59,6 +59,9 @@ CASES = (
     ("window", 5, 2, 65, "float32", "e", {}),
     ("streaming", 128, 1, 512, "bfloat16", "e", {}),
     ("streaming", 128, 2, 128, "float16", "e", {}),
+    ("streaming", 128, 1, 512, "bfloat16", "e", {"part": 1}),
+    ("streaming", 128, 1, 512, "bfloat16", "e", {"part": 2}),
+    ("streaming", 128, 1, 512, "bfloat16", "e", {"part": 2, "lane_requests": 1}),
 )
 ROLES = ("main", "grad_ape sum")
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)

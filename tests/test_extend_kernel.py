@@ -227,6 +227,9 @@ def test_plan_covers_requests_then_rows():
                 == extend_plan.plans(split, 8192, 4, num_rows, 132))
     assert extend_plan.plans(few, 8192, 4, 33, 132)[1][0] == by_lanes
     assert extend_plan.plans(few, 8192, 4, 10**4, 132)[1][0] == by_lanes
+    assert extend_plan.plans(few, 8192, 32, 10**4, 132)[1][0] == by_lanes
+    with pytest.raises(ValueError, match="at most 32 requests in a warp's lanes"):
+        extend_plan.plans(few, 8192, 33, 10**4, 132)
 
 
 def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():

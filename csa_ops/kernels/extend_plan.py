@@ -156,6 +156,7 @@ def plans(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
     planned = ((first, first_plan),)
     for part in rest:
         if part.family == "streaming":
+            _check_lanes(part, num_requests)
             laid = streaming_plan.plan_rows(part, num_rows, num_sms, first, first_plan.grid)
             groups = laid.grid // streaming_plan.column_blocks(part)
             if part.knobs.lane_requests and not streaming_plan.rows_by_lanes(
@@ -177,9 +178,7 @@ def plan(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
     writes cu_seqlens_comp. Streaming: streaming_plan.plan_extend."""
     if key.family == "streaming":
         return streaming_plan.plan_extend(key, num_tokens, num_requests, num_rows, num_sms)
-    if key.knobs.lane_requests and key.knobs.part == 2 and num_requests > LANE_BATCH:
-        raise ValueError(f"{key!r} holds at most {LANE_BATCH} requests in a warp's lanes, "
-                         f"got {num_requests}")
+    _check_lanes(key, num_requests)
     g = window_plan.geometry(key)
     if key.knobs.request_rows or key.knobs.part == 1:
         items = num_requests
@@ -188,6 +187,12 @@ def plan(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
     else:
         items = num_requests + num_rows
     return LaunchPlan(grid=max(1, -(-items // g.rpc)))
+
+
+def _check_lanes(key: KernelKey, num_requests: int) -> None:
+    if key.knobs.lane_requests and key.knobs.part == 2 and num_requests > LANE_BATCH:
+        raise ValueError(f"{key!r} holds at most {LANE_BATCH} requests in a warp's lanes, "
+                         f"got {num_requests}")
 
 
 def launch_entry(key: KernelKey):

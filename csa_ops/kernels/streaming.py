@@ -345,12 +345,10 @@ class _Streaming:
                             groups, num_tokens, atom)
             cute.arch.cp_async_commit_group()
             fl = sFl[j]
-            n = rg + j * groups
-            if const_expr(sRow is not None):
-                n = sRow[j]
             if (fl & 1) != 0:
-                args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S, n, sT0[j], fl,
-                        num_tokens, tid, lane, cvw, wp, cb)
+                args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S,
+                        self._table_row(sRow, rg, j, groups), sT0[j], fl, num_tokens, tid,
+                        lane, cvw, wp, cb)
                 if const_expr(self.lean):
                     if (fl & 4) != 0:
                         self._row(*args, False)
@@ -363,7 +361,11 @@ class _Streaming:
                 if const_expr(skips):
                     zeros = zeros and fl != SKIP_ROW
                 if zeros:
-                    self._zero_vector(gOut, n, cb * CV + cvw)
+                    self._zero_vector(gOut, self._table_row(sRow, rg, j, groups), cb * CV + cvw)
+
+    def _table_row(self, sRow, rg, j, groups):
+        """The output row of entry j of a CTA's row table: rg + j * groups, or sRow[j]."""
+        return rg + j * groups if sRow is None else sRow[j]
 
     @cute.jit
     def _zero_vector(self, gOut, n, colc):

@@ -175,7 +175,8 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
 def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
               requests_grid: int) -> LaunchPlan:
     """Part 2 of a split call, beside part 1 (`requests`, launched with `requests_grid`
-    CTAs): the rows strided over as many groups as one wave holds, less one. A wave is
+    CTAs): the rows (strided, or by lanes in order) over as many groups as one wave holds,
+    less one. A wave is
     `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the registers of
     ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once; a
     group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
