@@ -1119,10 +1119,9 @@ class _StreamingExtend(_Streaming):
             nr = self._place_by_lanes(sRow, sT0, sFl, rg, groups, mCu, mStart, mSlots,
                                       num_tokens, num_rows, num_reqs, num_slots, tid, lane)
         else:
+            sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
             nr = self._place_by_scan(sT0, sFl, rg, groups, mCu, mStart, mSlots, num_tokens,
-                                     num_rows, num_reqs, num_slots, tid,
-                                     smem.allocate_tensor(Int32,
-                                                          cute.make_layout(self.batch.warps), 16))
+                                     num_rows, num_reqs, num_slots, tid, sWarp)
         self._pipeline(nr, tables, gKV, gSc, gApe, gOut, gOut, gOut, gOut, None, tid, lane,
                        cvw, wp, cb, rg, groups, num_tokens, True, sRow)
         cm.complete_after_upstream(self.pdl, bid)
@@ -1159,11 +1158,11 @@ class _StreamingExtend(_Streaming):
         """rows_kernel's row table for at most 32 requests (lane_requests): the rows part 1
         leaves, in order (each request's rows past its heads, then the padding rows), are
         places 0, 1, ...; the CTA takes places rg, rg + groups, ... (sRow: their rows), so
-        no group holds a place more than another's but one. Every warp holds the batch in
-        its lanes (Batch.hold_in_lanes) and finds a place's request by shuffles: no scan, no
+        the groups' place counts differ by one at most. Every warp holds the batch in its
+        lanes (Batch.hold_in_lanes) and finds a place's request by shuffles: no scan, no
         barrier. Where the int32 row count wraps (adversarial cu_seqlens: the requests' rows
-        then overlap), place n is row n, every row still this launch's or part 1's. Returns
-        the CTA's place count."""
+        then overlap and have no order), place n is row n, as with the scan. Returns the
+        CTA's place count."""
         held = self.batch.hold_in_lanes(mCu, mStart, mSlots, num_reqs, num_tokens, num_slots,
                                         lane)
         ok, tok0, start, rows, before, total = held
