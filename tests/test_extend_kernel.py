@@ -246,6 +246,14 @@ def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
             assert dataclasses.replace(narrow, knobs=k) == key  # launch knobs only
             assert extend_plan.for_size(key, extend_plan.STEP) == narrow
             assert extend_plan.for_size(key, extend_plan.LARGE_STEP) == key
+    # A rows launch by lanes keeps a third row table (each entry's output row).
+    rows = with_knobs(streaming_plan.narrow(host.select_key(128, 1, 512, "bfloat16", "sm_90a",
+                                                            False)), part=2)
+    lanes = with_knobs(rows, lane_requests=True)
+    assert (streaming_plan.key_smem_bytes(lanes, False)
+            == streaming_plan.key_smem_bytes(rows, False) + 4 * streaming_plan.MAX_ROWS)
+    assert streaming_plan.key_smem_bytes(lanes, False) * lanes.knobs.ctas <= (
+        streaming_plan.SMEM_PER_SM)
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
     key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)
     assert streaming_plan.narrow(key).knobs.ctas == 2

@@ -159,6 +159,8 @@ def plans(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
             _check_lanes(part, num_requests)
             laid = streaming_plan.plan_rows(part, num_rows, num_sms, first, first_plan.grid)
             groups = laid.grid // streaming_plan.column_blocks(part)
+            # Rows by lanes only where part 2 sets the call's time (rows_by_lanes); else
+            # the scan's rows launch, class 1's kernel.
             if part.knobs.lane_requests and not streaming_plan.rows_by_lanes(
                     part, num_rows, num_requests, groups):
                 part = with_knobs(part, lane_requests=False)

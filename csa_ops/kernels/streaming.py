@@ -1171,36 +1171,40 @@ class _StreamingExtend(_Streaming):
         # The rows' offsets are exact (no wrap) iff every inclusive one is >= 0: the first
         # to pass INT32_MAX wraps negative, each count being below 2**31.
         ordered = cute.arch.vote_all_sync(before + rows >= 0)
-        first, span, skip = before, rows, Int32(0)  # a lane's places, unordered: its rows
+        # Each lane's places: the first, how many, and its request's rows before them. In
+        # order, its rows past the heads; unordered, place n is row n: all of its rows.
+        lane_first, lane_places, lane_skip = before, rows, Int32(0)
         places = num_rows
-        left = total  # places before the padding's
+        request_places = total  # the padding's places come after the requests'
         if ordered:
-            first, span, skip = before - heads_before, rows - heads, heads
-            # Part 1's rows below num_rows, summed over the lanes (each lane's clamped).
-            kept = cutlass.min(before + heads, num_rows) - cutlass.min(before, num_rows)
-            kept = cute.arch.shuffle_sync(requests.warp_prefix(kept, lane), 31)
-            places = num_rows - kept
-            left = total - cute.arch.shuffle_sync(heads_before + heads, 31)
+            lane_first, lane_places, lane_skip = before - heads_before, rows - heads, heads
+            # Heads below num_rows, summed over the lanes (each lane's clamped): they take
+            # no place.
+            heads_kept = cutlass.min(before + heads, num_rows) - cutlass.min(before, num_rows)
+            places = num_rows - cute.arch.shuffle_sync(
+                requests.warp_prefix(heads_kept, lane), 31)
+            request_places = total - cute.arch.shuffle_sync(heads_before + heads, 31)
         nr = self._rows_owned(rg, places, groups)
         for j0 in cutlass.range(0, nr, self.nt, unroll=1):  # warp-uniform: shuffles inside
             j = j0 + tid
-            c = rg + j * groups
-            at = requests.lane_at(c, first)
-            f, f_span, f_skip, f_before, f_rows, f_ok, f_tok0, f_start = [
+            place = rg + j * groups
+            at = requests.lane_at(place, lane_first)
+            first, count, skip, base, rows_at, ok_at, tok0_at, start_at = [
                 cute.arch.shuffle_sync(v, at)
-                for v in (first, span, skip, before, rows, Int32(ok), tok0, start)]
-            found = Int64(f) <= Int64(c) and Int64(c) < Int64(f) + Int64(f_span)
-            h = f_skip + (c - f)  # the row's index among its request's
-            n = c
+                for v in (lane_first, lane_places, lane_skip, before, rows, Int32(ok), tok0,
+                          start)]
+            found = Int64(first) <= Int64(place) and Int64(place) < Int64(first) + Int64(count)
+            h = skip + (place - first)  # the row's index among its request's
+            n = place
             if ordered:
-                n = total + (c - left)  # a padding row, unless a request's
+                n = total + (place - request_places)  # a padding row, unless a request's
                 if found:
-                    n = f_before + h
+                    n = base + h
             t0 = Int32(0)
             fl = Int32(0)  # padding, or a row no request holds: zeros
             if found:
-                t0, fl = self._later_row(h, f_rows, f_ok != 0, f_tok0, f_start, num_tokens)
-            if n < 0 or n >= num_rows:
+                t0, fl = self._later_row(h, rows_at, ok_at != 0, tok0_at, start_at, num_tokens)
+            if n < 0 or n >= num_rows:  # defensive: no place maps past the output
                 fl = Int32(SKIP_ROW)
             if j < nr:
                 sRow[j] = n

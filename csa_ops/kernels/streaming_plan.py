@@ -34,10 +34,10 @@ def _shape(window: int, head_dim: int, vec: int) -> tuple[int, int, int]:
 
 
 def _smem_bytes(elem_bytes: int, vec: int, cv: int, wpc: int, kt: int, backward: bool,
-                stages: int, parity: bool = False) -> int:
+                stages: int, parity: bool = False, row_tables: int = 2) -> int:
     cols, wpad = cv * vec, 32 * kt * wpc
     stage = (2 * wpad + (1 if backward else 0)) * cols * elem_bytes
-    fixed = wpad * cols * 4 + RED_KINDS * cols * wpc * 4 + 2 * MAX_ROWS * 4
+    fixed = wpad * cols * 4 + RED_KINDS * cols * wpc * 4 + row_tables * MAX_ROWS * 4
     if parity and not backward:
         fixed += wpad * cv * 4  # the exact columns' scratch
     return fixed + stages * stage + 1024
@@ -46,8 +46,10 @@ def _smem_bytes(elem_bytes: int, vec: int, cv: int, wpc: int, kt: int, backward:
 def key_smem_bytes(key: KernelKey, backward: bool) -> int:
     """Shared memory of one CTA of `key` in one direction."""
     k = key.knobs
+    # A rows launch by lanes keeps a third row table: each entry's output row.
+    tables = 3 if k.part == 2 and k.lane_requests else 2
     return _smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, backward, k.stages,
-                       bool(k.parity))
+                       bool(k.parity), tables)
 
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
@@ -176,9 +178,8 @@ def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
               requests_grid: int) -> LaunchPlan:
     """Part 2 of a split call, beside part 1 (`requests`, launched with `requests_grid`
     CTAs): the rows (strided, or by lanes in order) over as many groups as one wave holds,
-    less one. A wave is
-    `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the registers of
-    ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once; a
+    less one. A wave is `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the
+    registers of ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once; a
     group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
     from state by 2048 new tokens (64 rows, 16 column blocks, 132 x 4 - 32 x 2 = 464 slots),
     graph replay: 28 groups 14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09,

@@ -81,9 +81,9 @@ def test_split_prefill_from_state_matches_cuda_compressor(ratio, coff, head_dim,
     problem = host.extend_problem(req.kv[0].new_empty(tokens, req.width), ratio, coff,
                                   len(lengths))
     assert problem.key.family == "streaming" and problem.key.knobs.part == 1
-    rows = sum((f + n) // ratio - f // ratio for f, n in zip(first, second, strict=True))
-    planned = extend_plan.plans(problem.key, tokens, len(lengths), rows + (extra_rows or 0),
-                                problem.num_sms)
+    num_rows = sum((f + n) // ratio - f // ratio for f, n in zip(first, second, strict=True))
+    planned = extend_plan.plans(problem.key, tokens, len(lengths),
+                                num_rows + (extra_rows or 0), problem.num_sms)
     (requests_launch, _), (rows_launch, _) = planned
     assert not requests_launch.knobs.lane_requests
     if (ratio, coff, head_dim) == (128, 1, 512):  # 2 rows or more per group
@@ -476,13 +476,15 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim,
     """A split call's second launch (its rows placed by a batch scan or by lanes), run alone
     into a NaN-filled output: exactly the requests' head rows stay NaN (the first launch's),
     every other row equals the whole call's bitwise, padding rows are zeros, a capacity
-    below the rows drops the rest, and the state is untouched. cu_seqlens_comp is one launch's: the
-    register-window kernel writes it beside its row items (this launch), the streaming kernel
-    beside its requests' (the other). In a whole call a head row the second launch wrongly
-    wrote could still end up right, if the first launch's write landed after it."""
+    below the rows drops the rest (nothing past the output is written), and the state is
+    untouched. The streaming rows launch runs three row groups, so that each holds several
+    rows. cu_seqlens_comp is one launch's: the register-window kernel writes it beside its
+    row items (this launch), the streaming kernel beside its requests' (the other). In a
+    whole call a head row the second launch wrongly wrote could still end up right, if the
+    first launch's write landed after it."""
     from csa_ops import host
     from csa_ops.config import with_knobs
-    from csa_ops.kernels import extend_plan
+    from csa_ops.kernels import extend_plan, streaming_plan
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     width, num_slots = coff * head_dim, 6
@@ -519,14 +521,19 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim,
         problem.key, tokens, batch, num_rows, problem.num_sms)
     assert (requests_launch.knobs.part, rows_launch.knobs.part) == (1, 2)
     rows_launch = with_knobs(rows_launch, lane_requests=lanes)
-    out = torch.full((num_rows, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    grid = rows_plan.grid
+    if rows_launch.family == "streaming":
+        grid = 3 * streaming_plan.column_blocks(rows_launch)
+    backing = torch.full((num_rows + 8, head_dim), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")
+    out = backing[:num_rows]
     cuc = torch.full((batch + 1,), -7, dtype=torch.int32, device="cuda")
     kv_after, score_after = kv_state.clone(), score_state.clone()
     tensors = (kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots), kv_after,
                score_after, out, cuc)
-    host.launch_key("ext", rows_launch, tensors, (tokens, num_rows, batch, num_slots),
-                    rows_plan.grid)
+    host.launch_key("ext", rows_launch, tensors, (tokens, num_rows, batch, num_slots), grid)
     torch.cuda.synchronize()
+    assert bool(torch.isnan(backing[num_rows:].float()).all()), "rows past the output written"
     left = set(torch.isnan(out.float()).any(dim=1).nonzero().flatten().tolist())
     assert left == heads
     others = [n for n in range(num_rows) if n not in heads]
