@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import time
@@ -53,8 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed batches before timing")
     p.add_argument("--iters", type=int, default=10, help="timed batches (median reported)")
     p.add_argument("--batch", type=int, default=None,
-                   help="most back-to-back calls per timed batch (default: 20 on CUDA, 2 on "
-                        "CPU; fewer for calls over 0.25 ms, never fewer than the input sets)")
+                   help="calls per graph replay, and the most per wall-time batch (default: "
+                        "20 on CUDA, 2 on CPU; wall-time batches of calls over 0.25 ms hold "
+                        "fewer; never fewer than the input sets)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="buffer size of the copy-bandwidth probe (default 2048 CUDA, 64 CPU)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
@@ -96,15 +96,12 @@ def _kernel_path(case: Case) -> str:
         return f"reference fallback ({type(exc).__name__})"
 
 
-def _batch_size(step, case: Case, args) -> int:
-    """Calls per timed batch: enough that a batch lasts ~5 ms (event and graph-launch cost
-    vanish), at most --batch, never fewer than the input sets (every set once per batch)."""
+def _batch_size(step, variant: Variant, case: Case, args) -> int:
+    """timing.calls_per_sample for a variant: graph replays take --batch calls (20 on CUDA)
+    whatever the variant, wall-time batches last about 5 ms."""
     most = args.batch or (20 if case.device.type == "cuda" else 2)
-    start = time.perf_counter()
-    step(1)
-    timing.synchronize(case.device)
-    one_call = time.perf_counter() - start
-    return max(case.num_sets, min(most, math.ceil(5e-3 / max(one_call, 1e-7))))
+    return timing.calls_per_sample(step, variant.timing == "graph", most, case.num_sets,
+                                   case.device)
 
 
 def run_variant(variant: Variant, case: Case, expected: dict, args) -> dict:
@@ -129,7 +126,7 @@ def run_variant(variant: Variant, case: Case, expected: dict, args) -> dict:
         del outputs
         if not ok:
             return row | {"status": f"MISMATCH (scaled max error {errors})"}
-        batch = _batch_size(step, case, args)
+        batch = _batch_size(step, variant, case, args)
         if variant.timing == "graph":
             reason = timing.syncs_host(lambda: step(0))
             if reason is not None:

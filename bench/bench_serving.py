@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -214,19 +213,10 @@ def check_prefill(case: dict, steps: dict, tol: float) -> dict:
 
 
 def calls_per_sample(step, mode: str, args, sets: int) -> int:
-    """Calls per timed sample, never fewer than the input sets. Device-side modes ("graph",
-    "kernel") take the same calls for every variant of a case: a graph replay's fixed cost
-    (H200: 7-16 us) is shared by its calls, so a variant given fewer would pay more of it
-    per call (prefill r128 c1: 14.37 us per call at 23 calls, 13.94 at 50). Wall-time
-    samples ("call") last about 5 ms, by one timed call."""
+    """timing.calls_per_sample for a timing mode: "graph" and "kernel" are device-side, and
+    take --calls (50 on CUDA) for every variant of a case."""
     most = args.calls or (50 if args.device.type == "cuda" else 2)
-    if mode != "call":
-        return max(sets, most)
-    start = time.perf_counter()
-    step(1)
-    timing.synchronize(args.device)
-    one_call = time.perf_counter() - start
-    return max(sets, 2, min(most, math.ceil(5e-3 / max(one_call, 1e-7))))
+    return timing.calls_per_sample(step, mode != "call", most, sets, args.device)
 
 
 def time_step(step, mode: str, args, sets: int) -> dict:

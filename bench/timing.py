@@ -8,6 +8,7 @@ and the median over samples is reported.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -18,6 +19,23 @@ import torch
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def calls_per_sample(step: Callable[[int], object], device_side: bool, most: int, sets: int,
+                     device: torch.device) -> int:
+    """Calls per timed sample, never fewer than the input sets (each set once). Device-side
+    samples (graph replay, the profiler's kernel time) take `most` calls, the same for
+    every variant: a graph replay's fixed cost (H200: 7-16 us) is shared by its calls, so a
+    variant given fewer would pay more of it per call (prefill r128 c1: 14.37 us per call
+    at 23 calls, 13.94 at 50). Wall-time samples last about 5 ms, by one timed call of
+    `step`, and hold at most `most`."""
+    if device_side:
+        return max(sets, most)
+    start = time.perf_counter()
+    step(1)
+    synchronize(device)
+    one_call = time.perf_counter() - start
+    return max(sets, 2, min(most, math.ceil(5e-3 / max(one_call, 1e-7))))
 
 
 def l2_bytes(device: torch.device) -> int:

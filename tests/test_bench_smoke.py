@@ -255,3 +255,20 @@ def test_serving_device_timings_give_every_variant_the_same_calls(mode):
     assert serving.calls_per_sample(step, mode, args, sets=64) == 64  # every input set once
     wall = serving.calls_per_sample(lambda i: None, "call", args, sets=8)
     assert 8 <= wall <= 50
+
+
+def test_compressor_graph_batches_give_every_variant_the_same_calls():
+    # bench_compressor.py sizes batches through the same helper: a graph variant replays
+    # --batch calls whatever one call of it costs; a wall-time variant is timed first.
+    bench = _bench_module("bench_compressor")
+    args = bench.parse_args(["--device", "cpu", "--batch", "20", "--shapes", "r4c2_2x64_d128"])
+    case = bench.Case(args.shape_list[0], args.device, torch.bfloat16, 3)
+    graph = next(v for v in bench.variants.VARIANTS.values() if v.timing == "graph")
+    wall = next(v for v in bench.variants.VARIANTS.values() if v.timing != "graph")
+
+    def step(i):
+        raise AssertionError("graph batches must not be sized by a timed call")
+
+    assert bench._batch_size(step, graph, case, args) == max(20, case.num_sets)
+    assert case.num_sets <= bench._batch_size(lambda i: None, wall, case, args) <= max(
+        20, case.num_sets)
