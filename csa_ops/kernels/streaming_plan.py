@@ -179,12 +179,13 @@ def plan_rows(key: KernelKey, num_rows: int, num_sms: int, requests: KernelKey,
     """Part 2 of a split call, beside part 1 (`requests`, launched with `requests_grid`
     CTAs): the rows (strided, or by lanes in order) over as many groups as one wave holds,
     less one. A wave is `ctas` CTAs per SM, less the slots part 1's CTAs hold (each the
-    registers of ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of rows at once; a
-    group more, and the last CTAs wait for a second wave. H200, d512 r128 c1, 4 requests
-    from state by 2048 new tokens (64 rows, 16 column blocks, 132 x 4 - 32 x 2 = 464 slots),
-    graph replay: 28 groups 14.06 us, 29 (the whole wave) 14.78, 30 17.26; 26 13.93-14.09,
-    22 (the forward's plan at 3 CTAs per SM) 14.72-15.05 (training forward 12.29-12.54).
-    Where part 1 leaves less than half a wave, half a wave."""
+    registers of ceil(ctas / its ctas) of ours). Every CTA slot then pools its share of
+    rows at once; a group more, and the last CTAs wait for a second wave. H200, d512 r128
+    c1, 4 requests from state by 2048 new tokens (64 rows, 16 column blocks, 132 x 4 -
+    32 x 2 = 464 slots), rows by the scan, graph replay: 28 groups 14.06 us, 29 (the whole
+    wave) 14.78, 30 17.26; 26 13.93-14.09, 22 (the forward's plan at 3 CTAs per SM)
+    14.72-15.05 (training forward 12.29-12.54). Where part 1 leaves less than half a wave,
+    half a wave."""
     cb = column_blocks(key)
     ctas = key.knobs.ctas
     slots = num_sms * ctas - requests_grid * -(-ctas // requests.knobs.ctas)
