@@ -314,8 +314,9 @@ def markdown(results: dict) -> str:
              f"torch {meta['torch']})")
     header = ("| case | variant | timing | time us | vs eager step | vs compiled step | "
               "op / training fwd | op / DRAM floor | check |")
-    lines = [title, "", f"Copy bandwidth {meta['copy_bandwidth_Bps'] / 1e9:.0f} GB/s "
-             "(read + write); the floor rows move the bytes serving_traffic.py counts at it.",
+    bandwidth = (f"Copy bandwidth {meta['copy_bandwidth_Bps'] / 1e9:.0f} GB/s (read + write); "
+                 "the floor rows move the bytes serving_traffic.py counts at it.")
+    lines = [title, "", bandwidth,
              "", header, "|---|---|---|---|---|---|---|---|---|"]
     for r in results["results"]:
         time_us = f"{r['median_s'] * 1e6:.2f}" if "median_s" in r else r["status"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 def _state_entry(position: int, consumed: int, ratio: int, coff: int) -> int | None:
     """The entry holding `position` in a slot that has consumed `consumed` tokens, or None
     when the state does not hold it."""
-    block, own = divmod(consumed, ratio)
+    block = consumed // ratio
     if block * ratio <= position < consumed:
         return (coff - 1) * ratio + position - block * ratio
     if coff == 2 and (block - 1) * ratio <= position < block * ratio:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .reference import accumulate_dtype, pool_windows
+from .validation import INT32_MAX
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class _Sources:
     kv_state: torch.Tensor      # (S, W, coff, d) view of the caller's tensor
     score_state: torch.Tensor   # (S, W, coff, d) view of the caller's tensor
     slot: torch.Tensor
-    slot_ok: torch.Tensor       # (B,) bool: slot in range and start >= 0 (always, on CPU)
+    ok: torch.Tensor            # (B,) bool: `valid_requests` (always, on CPU)
     first_token: torch.Tensor
     start: torch.Tensor
     end: torch.Tensor
@@ -40,16 +41,27 @@ class _Sources:
         return self.coff * self.ratio
 
 
+def valid_requests(cu_seqlens, start_pos, slots, num_tokens: int, num_slots: int):
+    """(B,) bool: the requests whose slot is in range, position >= 0, tokens in
+    [0, num_tokens) in order, and start + new tokens within int32. The CPU op refuses any
+    other; CUDA does not check contents, and there such a request gets zero rows and leaves
+    every slot alone (its rows still count, so the offsets agree on every device)."""
+    first, last = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    start = start_pos.long()
+    return ((slots >= 0) & (slots < num_slots) & (start >= 0) & (first >= 0) & (first <= last)
+            & (last <= num_tokens) & (start + last - first <= INT32_MAX))
+
+
 def _sources(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio, coff):
     num_slots, window, width = kv_state.shape
     head_dim = width // coff
+    ok = valid_requests(cu_seqlens, start_pos, slots, kv.shape[0], num_slots)
     if kv.shape[0] == 0:  # a zero row keeps every clamped token index in bounds
         kv, score = kv.new_zeros(1, width), score.new_zeros(1, width)
     acc = accumulate_dtype(kv.dtype)
     cu = cu_seqlens.long()
     start = start_pos.long().clamp(min=0)
     slot = slots.long()
-    slot_ok = (slot >= 0) & (slot < num_slots) & (start_pos >= 0)
     return _Sources(
         kv=kv.view(-1, coff, head_dim),
         score=score.view(-1, coff, head_dim),
@@ -57,7 +69,7 @@ def _sources(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state
         kv_state=kv_state.view(num_slots, window, coff, head_dim),
         score_state=score_state.view(num_slots, window, coff, head_dim),
         slot=slot.clamp(0, num_slots - 1),
-        slot_ok=slot_ok,
+        ok=ok,
         first_token=cu[:-1],
         start=start,
         end=start + (cu[1:] - cu[:-1]).clamp(min=0),
@@ -99,7 +111,7 @@ def _segment_of(offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _rows(src: _Sources, cu_seqlens_comp, rows: int, out_dtype) -> torch.Tensor:
     """Emitted rows: block ``start // ratio + n - cuc[req]`` of request ``req``; rows past
-    cuc[-1] are exact zeros."""
+    cuc[-1] and rows of invalid requests are exact zeros."""
     device = src.start.device
     cuc = cu_seqlens_comp.long()
     n = torch.arange(rows, device=device)
@@ -116,24 +128,19 @@ def _rows(src: _Sources, cu_seqlens_comp, rows: int, out_dtype) -> torch.Tensor:
     values = torch.where(before_sequence, 0.0, value.to(acc))
     # The forward masks with where(valid, x, const); the selected values are the same.
     out = pool_windows(logits, values)
-    return torch.where((n < cuc[-1])[:, None], out, 0.0).to(out_dtype)
+    emitted = (n < cuc[-1]) & src.ok[req]
+    return torch.where(emitted[:, None], out, 0.0).to(out_dtype)
 
 
-def _write_targets(src: _Sources, cu: torch.Tensor, num_tokens: int):
-    """(request, entry) pairs to rewrite: the entry of every new token, and for coff 2 the
-    ``[0, ratio)`` entries of every request (the completed block or the initial state)."""
+def _every_entry(src: _Sources):
+    """(request, entry) pairs naming every entry of every request's slot. _final_state keeps
+    what the call does not rewrite, and an entry that the call does not move reads back its
+    own content; the tokens are never mapped to requests, so overlapping or unordered
+    cu_seqlens (invalid on CPU, unchecked on CUDA) cannot reach another request's slot."""
     device = src.start.device
-    token = torch.arange(num_tokens, device=device)
-    req = _segment_of(cu, token)
-    pos = src.start[req] + token - src.first_token[req]
-    entry = pos % src.ratio
-    if src.coff == 2:
-        current = pos >= src.end[req] // src.ratio * src.ratio
-        entry = entry + src.ratio * current.long()
-        num_requests = src.start.numel()
-        every = torch.arange(num_requests, device=device)[:, None].expand(-1, src.ratio)
-        req = torch.cat([req, every.reshape(-1)])
-        entry = torch.cat([entry, torch.arange(src.ratio, device=device).repeat(num_requests)])
+    num_requests = src.start.numel()
+    req = torch.arange(num_requests, device=device).repeat_interleave(src.window)
+    entry = torch.arange(src.window, device=device).repeat(num_requests)
     return req, entry
 
 
@@ -141,16 +148,15 @@ def _final_state(src: _Sources, req, entry):
     """Entry ``entry`` of request ``req``'s slot after the call, both column halves.
 
     Entry e holds position ``(end // ratio - (coff-1)) * ratio + e``. Unconsumed positions
-    keep the old content; positions before the sequence get the initial state. Several
-    targets may name one (slot, entry): all of them carry this same value, so the scatter's
-    order does not matter.
+    keep the old content, and so does every entry of a request that is not ok; positions
+    before the sequence get the initial state.
     """
     pos = (src.end[req] // src.ratio - (src.coff - 1)) * src.ratio + entry
     half = torch.arange(src.coff, device=pos.device)
     value, logit = _read(src, req[:, None], pos[:, None], half)
     slot = src.slot[req]
     old_value, old_logit = src.kv_state[slot, entry], src.score_state[slot, entry]
-    keep = (~((pos < src.end[req]) & src.slot_ok[req]))[:, None, None]
+    keep = (~((pos < src.end[req]) & src.ok[req]))[:, None, None]
     initial = (pos < 0)[:, None, None] & ~keep
     value = torch.where(initial, 0.0, torch.where(keep, old_value, value))
     logit = torch.where(initial, float("-inf"), torch.where(keep, old_logit, logit))
@@ -172,7 +178,9 @@ def compressor_extend_reference(kv, score, ape, cu_seqlens, start_pos, slots, kv
     head_dim = kv.shape[1] // coff
     rows_per_request = rows_of_requests(cu_seqlens, start_pos, ratio)
     cu_seqlens_comp = torch.zeros(num_requests + 1, dtype=torch.int32, device=kv.device)
-    cu_seqlens_comp[1:] = rows_per_request.cumsum(0)
+    # Saturating offsets: invalid requests may count rows past int32 (CUDA does not check
+    # contents), and wrapped offsets would land later rows on earlier ones.
+    cu_seqlens_comp[1:] = rows_per_request.cumsum(0).clamp(max=INT32_MAX)
     rows = int(cu_seqlens_comp[-1]) if total_comp is None else total_comp
     if num_requests == 0 or kv_state.shape[0] == 0:
         return kv.new_zeros(rows, head_dim), cu_seqlens_comp
@@ -180,7 +188,7 @@ def compressor_extend_reference(kv, score, ape, cu_seqlens, start_pos, slots, kv
                    coff)
     out = _rows(src, cu_seqlens_comp, rows, kv.dtype)
     # Every read above and in _final_state happens before the scatter below.
-    req, entry = _write_targets(src, cu_seqlens.long(), kv.shape[0])
+    req, entry = _every_entry(src)
     slot, value, logit = _final_state(src, req, entry)
     src.kv_state[slot, entry] = value
     src.score_state[slot, entry] = logit

@@ -256,7 +256,7 @@ def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     calls whose tokens or state exceed 2**31 elements. Slots must be distinct and in range
     and positions >= 0: checked on CPU; on CUDA such inputs give unspecified rows and state
     but never an access out of bounds (the kernel leaves such a request's slot alone and
-    zeroes its rows).
+    zeroes its rows); row offsets that pass int32 saturate at ``2**31 - 1``.
     Inference only.
     """
     return torch.ops.csa.compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots,

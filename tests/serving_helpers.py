@@ -198,3 +198,57 @@ def case_id(case) -> str:
     ratio, coff, head_dim, dtype, lengths, tail, extra = case
     return (f"r{ratio}c{coff}_d{head_dim}_{str(dtype).split('.')[-1]}_"
             f"L{'-'.join(map(str, lengths))}_tail{tail}_pad{extra}")
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: int,
+                          batch: int, extra_rows: int, dtype, device) -> None:
+    """Request 0 is valid (all `tokens` new tokens, from position 3, slot 0); requests 1..
+    are invalid, each counting int32-wrapped 2**31 - 1 tokens, so the batch counts rows past
+    int32. `extend` (the op's signature) must saturate the offsets, give request 0 the rows
+    and state of a clean call of it alone, zero every later row and leave the other slots
+    alone."""
+    gen = torch.Generator().manual_seed(7)
+    width, start0 = coff * head_dim, 3
+
+    def draw(*shape, to=dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device,
+                                                                         dtype=to)
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    def wrap(value):
+        return (value + 2**31) % 2**32 - 2**31
+
+    kv, score, ape = draw(tokens, width), draw(tokens, width), draw(ratio, width,
+                                                                      to=torch.float32)
+    cu = [0] + [wrap(tokens + b * INT32_MAX) for b in range(batch)]
+    start = [start0] + [5 * b for b in range(1, batch)]
+    rows = [(p + wrap(hi - lo)) // ratio - p // ratio
+            for p, lo, hi in zip(start, cu[:-1], cu[1:])]
+    assert sum(rows) > INT32_MAX, "the batch must count rows past int32"
+    want_cuc = [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
+    num_rows = rows[0] + extra_rows
+    state = CompressorState(batch, ratio, coff, head_dim, dtype, device)
+    state.kv.copy_(draw(*state.kv.shape))
+    state.score.copy_(draw(*state.score.shape, to=torch.float32))
+    clean = CompressorState(batch, ratio, coff, head_dim, dtype, device)
+    clean.kv.copy_(state.kv)
+    clean.score.copy_(state.score)
+    kv_before, score_before = state.kv.clone(), state.score.clone()
+
+    out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(list(range(batch))),
+                      state.kv, state.score, ratio, coff, num_rows)
+    want, _ = extend(kv, score, ape, int32([0, tokens]), int32([start0]), int32([0]),
+                     clean.kv, clean.score, ratio, coff, rows[0])
+    assert cuc.tolist() == want_cuc
+    assert out.shape == (num_rows, head_dim)
+    assert torch.equal(out[:rows[0]], want), "the valid request's rows"
+    assert torch.equal(state.kv[0], clean.kv[0]), "kv_state of the valid request"
+    assert torch.equal(state.score[0], clean.score[0]), "score_state of the valid request"
+    assert torch.equal(state.kv[1:], kv_before[1:]), "kv_state of the invalid requests"
+    assert torch.equal(state.score[1:], score_before[1:]), "score_state of the invalid requests"
+    assert int(torch.count_nonzero(out[rows[0]:])) == 0, "rows of the invalid requests"

@@ -22,6 +22,7 @@ from serving_helpers import (
     assert_rows,
     assert_state,
     case_id,
+    check_rows_past_int32,
     make_requests,
     permuted_slots,
     random_schedule,
@@ -431,6 +432,15 @@ def test_adversarial_inputs_stay_in_bounds():
             d["cu_seqlens"] = torch.randint(-5, 8, (4,), generator=gen, dtype=torch.int32)
             out, cuc = reference_extend.compressor_extend_reference(*_args(d))
             assert out.shape == (3, 8) and cuc.shape == (4,)
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (17, 2), (5, 1)])
+def test_row_offsets_saturate_past_int32(ratio, coff):
+    """Invalid requests counting rows past int32 (the path CUDA takes: no content checks):
+    cu_seqlens_comp saturates, the valid request before them is untouched by them."""
+    check_rows_past_int32(reference_extend.compressor_extend_reference, ratio, coff,
+                          head_dim=8, tokens=45, batch=40, extra_rows=6, dtype=torch.float32,
+                          device="cpu")
 
 
 # ---------------------------------------------------------------------------------------

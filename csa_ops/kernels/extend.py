@@ -412,10 +412,11 @@ def _build(key: KernelKey):
             if counter:
                 sRows[ry] = rows
             below, total = batch.row_sums(cu, starts, num_reqs, item0, tid, sWarp)
-            own_base = below
+            rows_before = Int64(below)
             for j in cutlass.range_constexpr(g.rpc - 1):
                 if j < ry:
-                    own_base = own_base + sRows[j]
+                    rows_before = rows_before + Int64(sRows[j])
+            own_base = requests.saturated(rows_before)
             if counter and by == 0 and item < num_reqs:
                 cuc[item] = own_base
             if bid == 0 and tid == 0:
@@ -439,10 +440,10 @@ def _build(key: KernelKey):
                 if b >= item0 and b < item0 + g.rpc:
                     sBase[b - item0] = running
                 for n in cutlass.range(cutlass.max(running, row_lo),
-                                       cutlass.min(running + rows_b, row_hi)):
+                                       cutlass.min(requests.add_rows(running, rows_b), row_hi)):
                     sReq[n + num_reqs - item0] = b
                     sBase[n + num_reqs - item0] = running
-                running = running + rows_b
+                running = requests.add_rows(running, rows_b)
             if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
                 if bid == 0 and tid == 0:
                     cuc[num_reqs] = total

@@ -867,11 +867,11 @@ class _StreamingExtend(_Streaming):
     def _rows_here(self, running, rows_b, row0, groups, num_rows):
         """(n0, hi): a request's output rows [running, running + rows_b) that are this CTA's,
         whose rows are row0, row0 + groups, ... (row0 may be negative), are n0, n0 + groups,
-        ... below hi. lo is clamped to num_rows: a running count that wrapped near INT32_MAX
+        ... below hi. lo is clamped to num_rows: a running count saturated at INT32_MAX
         (adversarial cu_seqlens) must not overflow n0 into a negative row."""
-        lo = cutlass.min(cutlass.max(running, Int32(0)), num_rows)
+        lo = cutlass.min(running, num_rows)
         n0 = lo + ((row0 - lo) % groups + groups) % groups
-        return n0, cutlass.min(running + rows_b, num_rows)
+        return n0, cutlass.min(requests.add_rows(running, rows_b), num_rows)
 
     @cute.jit
     def _list_pending(self, sItem, sList, sCount, ni, rg, groups, num_reqs, tid):
@@ -1001,7 +1001,7 @@ class _StreamingExtend(_Streaming):
                       gKVs: cute.Tensor, gSs: cute.Tensor, gOut: cute.Tensor, mCuc: cute.Tensor,
                       num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32,
                       groups: Int32):
-        CV, R, C = self.cv, self.r, self.co
+        CV, C = self.cv, self.co
         cm.await_upstream(self.pdl)
         tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
 
@@ -1055,7 +1055,7 @@ class _StreamingExtend(_Streaming):
                         if n - running < heads:
                             sItem[j] = ITEM_DONE
                         sBase[j] = running
-            running = running + rows_b
+            running = requests.add_rows(running, rows_b)
         if bid == 0 and tid == 0:
             mCuc[num_reqs] = total
         cute.arch.barrier()
@@ -1081,9 +1081,9 @@ class _StreamingExtend(_Streaming):
                         if tid % L == 0:
                             sItem[j] = ITEM_DONE
                 elif const_expr(self.has_rows):  # noqa: SIM102 (compile-time, then run-time)
-                    if sItem[j] == NO_REQUEST:  # padding, or a row no request covers
-                        if tid % L < CV:
-                            self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
+                    # Padding, or a row no request covers.
+                    if sItem[j] == NO_REQUEST and tid % L < CV:
+                        self._zero_vector(gOut, item - num_reqs, cb * CV + tid % L)
             cute.arch.barrier()
             self._list_pending(sItem, sList, sCount, ni, rg, groups, num_reqs, tid)
             cute.arch.barrier()
@@ -1149,7 +1149,7 @@ class _StreamingExtend(_Streaming):
                                                  num_tokens)
                         sT0[j] = t0
                         sFl[j] = fl
-            running = running + rows_b
+            running = requests.add_rows(running, rows_b)
         return nr
 
     @cute.jit
@@ -1160,30 +1160,21 @@ class _StreamingExtend(_Streaming):
         places 0, 1, ...; the CTA takes places rg, rg + groups, ... (sRow: their rows), so
         the groups' place counts differ by one at most. Every warp holds the batch in its
         lanes (Batch.hold_in_lanes) and finds a place's request by shuffles: no scan, no
-        barrier. Where the int32 row count wraps (adversarial cu_seqlens: the requests' rows
-        then overlap and have no order), place n is row n, as with the scan. Returns the
-        CTA's place count."""
+        barrier. Returns the CTA's place count."""
         held = self.batch.hold_in_lanes(mCu, mStart, mSlots, num_reqs, num_tokens, num_slots,
                                         lane)
         ok, tok0, start, rows, before, total = held
         heads = requests.head_rows(rows, self.co)
-        heads_before = requests.warp_prefix(heads, lane) - heads
-        # The rows' offsets are exact (no wrap) iff every inclusive one is >= 0: the first
-        # to pass INT32_MAX wraps negative, each count being below 2**31.
-        ordered = cute.arch.vote_all_sync(before + rows >= 0)
-        # Each lane's places: the first, how many, and its request's rows before them. In
-        # order, its rows past the heads; unordered, place n is row n: all of its rows.
-        lane_first, lane_places, lane_skip = before, rows, Int32(0)
-        places = num_rows
-        request_places = total  # the padding's places come after the requests'
-        if ordered:
-            lane_first, lane_places, lane_skip = before - heads_before, rows - heads, heads
-            # Heads below num_rows, summed over the lanes (each lane's clamped): they take
-            # no place.
-            heads_kept = cutlass.min(before + heads, num_rows) - cutlass.min(before, num_rows)
-            places = num_rows - cute.arch.shuffle_sync(
-                requests.warp_prefix(heads_kept, lane), 31)
-            request_places = total - cute.arch.shuffle_sync(heads_before + heads, 31)
+        heads_before = requests.warp_prefix(heads, lane) - heads  # at most 64: exact
+        # Each lane's places: the first and how many (its rows past the heads). The offsets
+        # saturate (requests.add_rows), so lane_first is nondecreasing below any place.
+        lane_first, lane_places = before - heads_before, rows - heads
+        # Heads below num_rows, summed over the lanes (each lane's clamped): they take no
+        # place. The padding's places come after the requests'.
+        heads_kept = (cutlass.min(requests.add_rows(before, heads), num_rows)
+                      - cutlass.min(before, num_rows))
+        places = num_rows - cute.arch.shuffle_sync(requests.warp_prefix(heads_kept, lane), 31)
+        request_places = total - cute.arch.shuffle_sync(heads_before + heads, 31)
         nr = self._rows_owned(rg, places, groups)
         for j0 in cutlass.range(0, nr, self.nt, unroll=1):  # warp-uniform: shuffles inside
             j = j0 + tid
@@ -1191,18 +1182,15 @@ class _StreamingExtend(_Streaming):
             at = requests.lane_at(place, lane_first)
             first, count, skip, base, rows_at, ok_at, tok0_at, start_at = [
                 cute.arch.shuffle_sync(v, at)
-                for v in (lane_first, lane_places, lane_skip, before, rows, Int32(ok), tok0,
+                for v in (lane_first, lane_places, heads, before, rows, Int32(ok), tok0,
                           start)]
             found = Int64(first) <= Int64(place) and Int64(place) < Int64(first) + Int64(count)
             h = skip + (place - first)  # the row's index among its request's
-            n = place
-            if ordered:
-                n = total + (place - request_places)  # a padding row, unless a request's
-                if found:
-                    n = base + h
+            n = total + (place - request_places)  # a padding row, unless a request's
             t0 = Int32(0)
-            fl = Int32(0)  # padding, or a row no request holds: zeros
+            fl = Int32(0)  # padding: zeros
             if found:
+                n = base + h
                 t0, fl = self._later_row(h, rows_at, ok_at != 0, tok0_at, start_at, num_tokens)
             if n < 0 or n >= num_rows:  # defensive: no place maps past the output
                 fl = Int32(SKIP_ROW)

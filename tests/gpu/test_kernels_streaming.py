@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (EPS, PackSpec, assert_bitwise_equal, assert_within_one_step, bits,
-                     cancel_in_pairs, cancel_near_threshold, eager_region, make_pack, spec_params)
+from helpers import (
+    EPS,
+    PackSpec,
+    assert_bitwise_equal,
+    assert_within_one_step,
+    bits,
+    cancel_in_pairs,
+    cancel_near_threshold,
+    eager_region,
+    make_pack,
+    spec_params,
+)
 
 from csa_ops import host, reference
 from csa_ops.kernels import streaming_plan, torch_order

@@ -13,6 +13,7 @@ from serving_helpers import (
     assert_rows,
     assert_state,
     case_id,
+    check_rows_past_int32,
     make_requests,
     permuted_slots,
     random_schedule,
@@ -468,7 +469,7 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
         assert_bitwise_equal(state.score[slot], expect[1], f"score_state slot {slot}")
 
 
-@pytest.mark.parametrize("padding", (5, -4), ids=("padded", "truncated"))
+@pytest.mark.parametrize("padding", (5, -4, 600), ids=("padded", "truncated", "long"))
 @pytest.mark.parametrize("lanes", (False, True), ids=("scan", "lanes"))
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 256), (128, 1, 512), (128, 2, 128)])
 def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim, lanes,
@@ -478,7 +479,8 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim,
     every other row equals the whole call's bitwise, padding rows are zeros, a capacity
     below the rows drops the rest (nothing past the output is written), and the state is
     untouched. The streaming rows launch runs three row groups, so that each holds several
-    rows. cu_seqlens_comp is one launch's: the register-window kernel writes it beside its
+    rows; with long padding more than its threads (the placement's later passes).
+    cu_seqlens_comp is one launch's: the register-window kernel writes it beside its
     row items (this launch), the streaming kernel beside its requests' (the other). In a
     whole call a head row the second launch wrongly wrote could still end up right, if the
     first launch's write landed after it."""
@@ -513,7 +515,8 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim,
     num_rows = total + padding
     heads = {n for n in heads if n < num_rows}
     want, want_cuc = OP(kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots),
-                        kv_state.clone(), score_state.clone(), ratio, coff, total + 5)
+                        kv_state.clone(), score_state.clone(), ratio, coff,
+                        max(total + 5, num_rows))
     want = want[:num_rows]
 
     problem = host.extend_problem(kv, ratio, coff, batch)
@@ -524,6 +527,8 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim,
     grid = rows_plan.grid
     if rows_launch.family == "streaming":
         grid = 3 * streaming_plan.column_blocks(rows_launch)
+        places = num_rows - len(heads)
+        assert (-(-places // 3) > rows_launch.knobs.threads) == (padding > 100)
     backing = torch.full((num_rows + 8, head_dim), float("nan"), dtype=torch.bfloat16,
                          device="cuda")
     out = backing[:num_rows]
@@ -577,42 +582,37 @@ def test_adversarial_extend_kernel_extremes(ratio, coff):
     assert cuc == [0, 2, 5]
 
 
-def test_adversarial_row_counts_that_wrap_place_rows_by_lanes_in_bounds():
-    """32 requests whose token counts are each 2**31 - 1 (int32 offsets wrapping at every
-    step) at ratio 17: their row counts sum past INT32_MAX, so the rows launch, by lanes
-    (32 requests, 3400 tokens, rows enough for two a group), cannot place them in order and
-    takes row n as place n. Every request is invalid (its tokens lie past the call's): all
-    rows zeros, every slot untouched, cu_seqlens_comp the reference's wrapped counts."""
+# (new tokens, requests, padding rows): a decode-sized call, a decode step's shape (window
+# requests pool their own rows: Batch.row_sums), a split call (batch scans) and a split
+# call of few requests (rows by lanes), each with invalid requests counting rows past int32.
+PAST_INT32 = {"one_launch": (48, 40, 5), "step": (40, 40, 0), "split": (600, 40, 7),
+              "lanes": (3400, 32, 500)}
+
+
+@pytest.mark.parametrize("path", list(PAST_INT32))
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (17, 2)], ids=("window", "streaming"))
+def test_adversarial_row_counts_past_int32_saturate(ratio, coff, path):
+    """One valid request, then invalid ones whose int32-wrapped token counts sum their rows
+    past INT32_MAX: the kernels' offsets saturate like the reference's, so the valid
+    request's rows and state are a clean call's, every later row is zero, no other slot
+    changes, and nothing reads or writes out of bounds."""
     from csa_ops import host
     from csa_ops.kernels import extend_plan
 
-    ratio, coff, head_dim, batch, tokens, num_rows = 17, 2, 64, 32, 3400, 700
-    width = coff * head_dim
-    step = 2**31 - 1
-    cu = [((b * step + 2**31) % 2**32) - 2**31 for b in range(batch + 1)]  # int32 wrap
-    start = [5 * b for b in range(batch)]
-    rows = [(p + step) // ratio - p // ratio for p in start]
-    want_cuc = [((sum(rows[:b]) + 2**31) % 2**32) - 2**31 for b in range(batch + 1)]
-    assert sum(rows) > 2**31 - 1
-    kv = torch.randn(tokens, width, device="cuda").bfloat16()
+    tokens, batch, extra_rows = PAST_INT32[path]
+    head_dim = 64
+    kv = torch.empty(tokens, coff * head_dim, dtype=torch.bfloat16, device="cuda")
     problem = host.extend_problem(kv, ratio, coff, batch)
-    (_, _), (rows_launch, _) = extend_plan.plans(problem.key, tokens, batch, num_rows,
-                                                 problem.num_sms)
-    assert problem.key.family == "streaming" and rows_launch.knobs.lane_requests
-    state = CompressorState(batch, ratio, coff, head_dim, torch.bfloat16, "cuda")
-    state.kv.normal_()
-    state.score.normal_()
-    kv_before, score_before = state.kv.clone(), state.score.clone()
-    as_int32 = {"dtype": torch.int32, "device": "cuda"}
-    out, cuc = OP(kv, torch.randn_like(kv), torch.randn(ratio, width, device="cuda"),
-                  torch.tensor(cu, **as_int32), torch.tensor(start, **as_int32),
-                  torch.arange(batch, **as_int32), state.kv, state.score, ratio, coff,
-                  num_rows)
-    torch.cuda.synchronize()
-    assert cuc.tolist() == want_cuc
-    assert out.shape == (num_rows, head_dim) and int(torch.count_nonzero(out)) == 0
-    assert_bitwise_equal(state.kv, kv_before, "kv_state")
-    assert_bitwise_equal(state.score, score_before, "score_state")
+    assert problem.key.family == ("window" if ratio * coff <= 32 else "streaming")
+    launched = [k for k, _ in extend_plan.plans(problem.key, tokens, batch,
+                                                (tokens + 3) // ratio + extra_rows,
+                                                problem.num_sms)]
+    assert (len(launched) == 2) == (path in ("split", "lanes"))
+    assert launched[-1].knobs.lane_requests == (path == "lanes")
+    if problem.key.family == "window":
+        assert launched[0].knobs.request_rows == (path == "step")
+    check_rows_past_int32(OP, ratio, coff, head_dim, tokens, batch, extra_rows,
+                          torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("ratio,coff", [(128, 1), (128, 2)])
