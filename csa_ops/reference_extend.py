@@ -132,31 +132,73 @@ def _rows(src: _Sources, cu_seqlens_comp, rows: int, out_dtype) -> torch.Tensor:
     return torch.where(emitted[:, None], out, 0.0).to(out_dtype)
 
 
-def _every_entry(src: _Sources):
-    """(request, entry) pairs naming every entry of every request's slot. _final_state keeps
-    what the call does not rewrite, and an entry that the call does not move reads back its
-    own content; the tokens are never mapped to requests, so overlapping or unordered
-    cu_seqlens (invalid on CPU, unchecked on CUDA) cannot reach another request's slot."""
+def _owner_of_tokens(src: _Sources, cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """(T,) int64: the ok request whose new tokens hold token t, or -1. Where ok requests
+    overlap (only bad cu_seqlens make them, unchecked on CUDA) the one starting last owns the
+    token. A running maximum over the ok requests' first tokens, not a search over
+    cu_seqlens: a search needs them sorted, and invalid requests can break that."""
     device = src.start.device
     num_requests = src.start.numel()
-    req = torch.arange(num_requests, device=device).repeat_interleave(src.window)
-    entry = torch.arange(src.window, device=device).repeat(num_requests)
-    return req, entry
+    first, last = cu[:-1], cu[1:]
+    holds = src.ok & (first < last)
+    # first * (B + 1) + request + 1: the largest key has the last first token.
+    key = first * (num_requests + 1) + torch.arange(1, num_requests + 1, device=device)
+    size = max(num_tokens, 1)  # no tokens: no owner, and an index in bounds for the scatter
+    marks = torch.zeros(size, dtype=torch.long, device=device).scatter_reduce(
+        0, first.clamp(0, size - 1), torch.where(holds, key, 0), "amax")
+    owner = marks.cummax(0).values[:num_tokens] % (num_requests + 1) - 1
+    token = torch.arange(num_tokens, device=device)
+    return torch.where((owner >= 0) & (token < last[owner.clamp(min=0)]), owner, -1)
 
 
-def _final_state(src: _Sources, req, entry):
+def _write_targets(src: _Sources, cu: torch.Tensor, num_tokens: int):
+    """(request, entry, writes) triples: the entry of every new token, and for coff 2 the
+    ``[0, ratio)`` entries of every request (the completed block or the initial state).
+    `writes` is False where the entry keeps its content: a token no ok request holds, a
+    request that is not ok."""
+    device = src.start.device
+    owner = _owner_of_tokens(src, cu, num_tokens)
+    req, writes = owner.clamp(min=0), owner >= 0
+    pos = src.start[req] + torch.arange(num_tokens, device=device) - src.first_token[req]
+    entry = pos % src.ratio
+    if src.coff == 2:
+        current = pos >= src.end[req] // src.ratio * src.ratio
+        entry = entry + src.ratio * current.long()
+        num_requests = src.start.numel()
+        every = torch.arange(num_requests, device=device).repeat_interleave(src.ratio)
+        req = torch.cat([req, every])
+        entry = torch.cat([entry, torch.arange(src.ratio, device=device).repeat(num_requests)])
+        writes = torch.cat([writes, src.ok[every]])
+    return req, entry, writes
+
+
+def _one_writer(slot, entry, writes, window: int, num_slots: int) -> torch.Tensor:
+    """Per target, the target whose value its (slot, entry) receives: the last writing one
+    naming it, else itself (a kept entry: its old content). The scatter's order among
+    duplicates is unspecified, so a target that keeps an entry must not carry a value of
+    its own where another rewrites it (an invalid request's slot, clamped into range, can
+    be a valid one's)."""
+    target = torch.arange(slot.numel(), device=slot.device)
+    flat = slot * window + entry
+    last = torch.zeros(num_slots * window, dtype=torch.long, device=slot.device).scatter_reduce(
+        0, flat, torch.where(writes, target + 1, 0), "amax")[flat] - 1
+    return torch.where(last >= 0, last, target)
+
+
+def _final_state(src: _Sources, req, entry, writes):
     """Entry ``entry`` of request ``req``'s slot after the call, both column halves.
 
     Entry e holds position ``(end // ratio - (coff-1)) * ratio + e``. Unconsumed positions
-    keep the old content, and so does every entry of a request that is not ok; positions
-    before the sequence get the initial state.
+    keep the old content, and so do targets that do not write; positions before the
+    sequence get the initial state. Several targets of one request may name one (slot,
+    entry): all of them carry this same value.
     """
     pos = (src.end[req] // src.ratio - (src.coff - 1)) * src.ratio + entry
     half = torch.arange(src.coff, device=pos.device)
     value, logit = _read(src, req[:, None], pos[:, None], half)
     slot = src.slot[req]
     old_value, old_logit = src.kv_state[slot, entry], src.score_state[slot, entry]
-    keep = (~((pos < src.end[req]) & src.ok[req]))[:, None, None]
+    keep = (~((pos < src.end[req]) & writes))[:, None, None]
     initial = (pos < 0)[:, None, None] & ~keep
     value = torch.where(initial, 0.0, torch.where(keep, old_value, value))
     logit = torch.where(initial, float("-inf"), torch.where(keep, old_logit, logit))
@@ -188,8 +230,9 @@ def compressor_extend_reference(kv, score, ape, cu_seqlens, start_pos, slots, kv
                    coff)
     out = _rows(src, cu_seqlens_comp, rows, kv.dtype)
     # Every read above and in _final_state happens before the scatter below.
-    req, entry = _every_entry(src)
-    slot, value, logit = _final_state(src, req, entry)
-    src.kv_state[slot, entry] = value
-    src.score_state[slot, entry] = logit
+    req, entry, writes = _write_targets(src, cu_seqlens.long(), kv.shape[0])
+    slot, value, logit = _final_state(src, req, entry, writes)
+    chosen = _one_writer(slot, entry, writes, src.window, kv_state.shape[0])
+    src.kv_state[slot, entry] = value[chosen]
+    src.score_state[slot, entry] = logit[chosen]
     return out, cu_seqlens_comp

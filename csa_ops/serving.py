@@ -254,9 +254,12 @@ def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     windows > 32, other archs, tensors of state whose base breaks the kernel's alignment
     (``kv_state``: kv's vector width, ``score_state``: 16 bytes), and streaming-family
     calls whose tokens or state exceed 2**31 elements. Slots must be distinct and in range
-    and positions >= 0: checked on CPU; on CUDA such inputs give unspecified rows and state
-    but never an access out of bounds (the kernel leaves such a request's slot alone and
-    zeroes its rows); row offsets that pass int32 saturate at ``2**31 - 1``.
+    and positions >= 0: checked on CPU; on CUDA unchecked, and never an access out of
+    bounds. There a request whose slot, position or tokens are out of range gets zero rows
+    and leaves every slot alone (kernel and reference alike), and the other requests come
+    out as in a clean call, except that repeated slots (and in the reference, requests whose
+    tokens overlap) leave those slots unspecified. Row offsets that pass int32 saturate at
+    ``2**31 - 1``.
     Inference only.
     """
     return torch.ops.csa.compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots,

@@ -11,6 +11,7 @@ import dataclasses
 import random
 
 import torch
+from helpers import assert_bitwise_equal
 
 from csa_ops import CompressorState
 
@@ -201,6 +202,83 @@ def case_id(case) -> str:
 
 
 INT32_MAX = 2**31 - 1
+NUM_ISOLATED = 9  # requests of check_invalid_requests_isolated's batch
+
+
+def _drawer(device, dtype, seed: int):
+    """draw(*shape, to=dtype): normal values drawn in fp64 on the CPU (any device and dtype
+    sees the same numbers)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, to=dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device,
+                                                                         dtype=to)
+
+    return draw
+
+
+def _states(draw, num_slots, ratio, coff, head_dim, dtype, device):
+    """(state, clean): two CompressorStates holding the same random content."""
+    state = CompressorState(num_slots, ratio, coff, head_dim, dtype, device)
+    state.kv.copy_(draw(*state.kv.shape))
+    state.score.copy_(draw(*state.score.shape, to=torch.float32))
+    clean = CompressorState(num_slots, ratio, coff, head_dim, dtype, device)
+    clean.kv.copy_(state.kv)
+    clean.score.copy_(state.score)
+    return state, clean
+
+
+def check_invalid_requests_isolated(extend, ratio: int, coff: int, head_dim: int, tokens: int,
+                                    dtype, device) -> None:
+    """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
+    or reversed) get zero rows and leave every slot alone, the valid ones' included (slots
+    -1 and 9 lie next to the valid slots 0 and 7); the valid ones in the same batch match a
+    clean call of them alone, each emitting rows at any ratio; cu_seqlens_comp counts every
+    request's rows. `extend` has the op's signature; the batch has NUM_ISOLATED requests."""
+    num_slots = 8
+    draw = _drawer(device, dtype, 3)
+    width = coff * head_dim
+    kv, score = draw(tokens, width), draw(tokens, width)
+    ape = draw(ratio, width, to=torch.float32)
+    cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45, 47]
+    start = [ratio - 3, 3, ratio - 4, -4, 1, 2, INT32_MAX - 5, 2 * ratio - 2, ratio - 1]
+    slots = [2, 9, 5, -1, 3, 4, 6, 0, 7]
+    valid = [0, 2, 7, 8]
+    assert len(slots) == NUM_ISOLATED
+    state, clean = _states(draw, num_slots, ratio, coff, head_dim, dtype, device)
+    untouched_kv, untouched_score = state.kv.clone(), state.score.clone()
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(slots), state.kv,
+                      state.score, ratio, coff, None)
+    rows = [max(0, cu[b + 1] - cu[b]) for b in range(NUM_ISOLATED)]
+    rows = [(max(p, 0) + n) // ratio - max(p, 0) // ratio for p, n in zip(start, rows)]
+    assert all(rows[b] > 0 for b in valid)
+    assert cuc.tolist() == [sum(rows[:b]) for b in range(NUM_ISOLATED + 1)]
+    pieces = [(cu[b], cu[b + 1]) for b in valid]
+    clean_cu = [0]
+    for lo, hi in pieces:
+        clean_cu.append(clean_cu[-1] + hi - lo)
+    want, want_cuc = extend(torch.cat([kv[lo:hi] for lo, hi in pieces]),
+                            torch.cat([score[lo:hi] for lo, hi in pieces]), ape, int32(clean_cu),
+                            int32([start[b] for b in valid]), int32([slots[b] for b in valid]),
+                            clean.kv, clean.score, ratio, coff, None)
+    bounds, want_bounds = cuc.tolist(), want_cuc.tolist()
+    for b in range(NUM_ISOLATED):
+        got = out[bounds[b]:bounds[b + 1]]
+        if b in valid:
+            j = valid.index(b)
+            assert_bitwise_equal(got, want[want_bounds[j]:want_bounds[j + 1]], f"rows of {b}")
+        else:
+            assert int(torch.count_nonzero(got)) == 0, f"rows of invalid request {b}"
+    valid_slots = [slots[b] for b in valid]
+    for slot in range(num_slots):
+        expect = (clean.kv[slot], clean.score[slot]) if slot in valid_slots else (
+            untouched_kv[slot], untouched_score[slot])
+        assert_bitwise_equal(state.kv[slot], expect[0], f"kv_state slot {slot}")
+        assert_bitwise_equal(state.score[slot], expect[1], f"score_state slot {slot}")
 
 
 def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: int,
@@ -210,12 +288,8 @@ def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: 
     int32. `extend` (the op's signature) must saturate the offsets, give request 0 the rows
     and state of a clean call of it alone, zero every later row and leave the other slots
     alone."""
-    gen = torch.Generator().manual_seed(7)
+    draw = _drawer(device, dtype, 7)
     width, start0 = coff * head_dim, 3
-
-    def draw(*shape, to=dtype):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device=device,
-                                                                         dtype=to)
 
     def int32(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
@@ -232,12 +306,7 @@ def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: 
     assert sum(rows) > INT32_MAX, "the batch must count rows past int32"
     want_cuc = [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
     num_rows = rows[0] + extra_rows
-    state = CompressorState(batch, ratio, coff, head_dim, dtype, device)
-    state.kv.copy_(draw(*state.kv.shape))
-    state.score.copy_(draw(*state.score.shape, to=torch.float32))
-    clean = CompressorState(batch, ratio, coff, head_dim, dtype, device)
-    clean.kv.copy_(state.kv)
-    clean.score.copy_(state.score)
+    state, clean = _states(draw, batch, ratio, coff, head_dim, dtype, device)
     kv_before, score_before = state.kv.clone(), state.score.clone()
 
     out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(list(range(batch))),
@@ -246,9 +315,9 @@ def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: 
                      clean.kv, clean.score, ratio, coff, rows[0])
     assert cuc.tolist() == want_cuc
     assert out.shape == (num_rows, head_dim)
-    assert torch.equal(out[:rows[0]], want), "the valid request's rows"
-    assert torch.equal(state.kv[0], clean.kv[0]), "kv_state of the valid request"
-    assert torch.equal(state.score[0], clean.score[0]), "score_state of the valid request"
-    assert torch.equal(state.kv[1:], kv_before[1:]), "kv_state of the invalid requests"
-    assert torch.equal(state.score[1:], score_before[1:]), "score_state of the invalid requests"
+    assert_bitwise_equal(out[:rows[0]], want, "the valid request's rows")
+    assert_bitwise_equal(state.kv[0], clean.kv[0], "kv_state of the valid request")
+    assert_bitwise_equal(state.score[0], clean.score[0], "score_state of the valid request")
+    assert_bitwise_equal(state.kv[1:], kv_before[1:], "kv_state of the invalid requests")
+    assert_bitwise_equal(state.score[1:], score_before[1:], "score_state of the invalid requests")
     assert int(torch.count_nonzero(out[rows[0]:])) == 0, "rows of the invalid requests"

@@ -22,6 +22,7 @@ from serving_helpers import (
     assert_rows,
     assert_state,
     case_id,
+    check_invalid_requests_isolated,
     check_rows_past_int32,
     make_requests,
     permuted_slots,
@@ -432,6 +433,14 @@ def test_adversarial_inputs_stay_in_bounds():
             d["cu_seqlens"] = torch.randint(-5, 8, (4,), generator=gen, dtype=torch.int32)
             out, cuc = reference_extend.compressor_extend_reference(*_args(d))
             assert out.shape == (3, 8) and cuc.shape == (4,)
+
+
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2), (16, 1)])
+def test_invalid_requests_are_isolated(ratio, coff):
+    """The path CUDA takes (no content checks): the reference treats invalid requests as the
+    kernels do, slots that clamp onto valid ones included."""
+    check_invalid_requests_isolated(reference_extend.compressor_extend_reference, ratio, coff,
+                                    head_dim=8, tokens=48, dtype=torch.float32, device="cpu")
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (17, 2), (5, 1)])

@@ -72,8 +72,8 @@ class Batch:
     @cute.jit
     def scan(self, cu, starts, num_reqs, tid, sWarp):
         """(b_lo, b_hi, running, total): thread tid's contiguous run of requests
-        [b_lo, b_hi), the first row of that run and the batch's row count (int32, wrapping
-        like the reference's cast). Ends with a CTA barrier; sWarp holds one int32 per warp."""
+        [b_lo, b_hi), the first row of that run and the batch's row count (saturating,
+        add_rows). Ends with a CTA barrier; sWarp holds one int32 per warp."""
         per = (num_reqs + (self.nt - 1)) // self.nt
         b_lo = cutlass.min(tid * per, num_reqs)
         b_hi = cutlass.min(b_lo + per, num_reqs)
@@ -202,9 +202,9 @@ class Batch:
 
 @cute.jit
 def lane_at(n, first):
-    """The last lane whose `first` is at or below n, for `first` nondecreasing over the
-    lanes from lane 0's (taken where lane 0's is above n): a binary search by shuffles, every
-    lane taking part, each with its own n."""
+    """The last lane whose `first` is at or below n, where those lanes are a prefix of the
+    warp (`first` nondecreasing will do; lane 0 is taken where none is): a binary search by
+    shuffles, every lane taking part, each with its own n."""
     lane = Int32(0)
     for j in cutlass.range_constexpr(5):
         probe = lane + (16 >> j)

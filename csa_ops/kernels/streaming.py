@@ -1166,8 +1166,10 @@ class _StreamingExtend(_Streaming):
         ok, tok0, start, rows, before, total = held
         heads = requests.head_rows(rows, self.co)
         heads_before = requests.warp_prefix(heads, lane) - heads  # at most 64: exact
-        # Each lane's places: the first and how many (its rows past the heads). The offsets
-        # saturate (requests.add_rows), so lane_first is nondecreasing below any place.
+        # Each lane's places: the first and how many (its rows past the heads). lane_first
+        # is nondecreasing up to the lanes whose offsets saturated (requests.add_rows), and
+        # theirs lie above every place (at least INT32_MAX - 62 > num_rows): the lanes at or
+        # below a place are a prefix of the warp, as lane_at needs.
         lane_first, lane_places = before - heads_before, rows - heads
         # Heads below num_rows, summed over the lanes (each lane's clamped): they take no
         # place. The padding's places come after the requests'.

@@ -10,9 +10,11 @@ import pytest
 import torch
 from helpers import assert_bitwise_equal, assert_within_one_step, cancel_in_pairs
 from serving_helpers import (
+    NUM_ISOLATED,
     assert_rows,
     assert_state,
     case_id,
+    check_invalid_requests_isolated,
     check_rows_past_int32,
     make_requests,
     permuted_slots,
@@ -413,60 +415,12 @@ def test_adversarial_requests_are_isolated_by_the_kernel(ratio, coff, tokens):
     from csa_ops import host
     from csa_ops.kernels import extend_plan
 
-    head_dim, num_slots, int32_max = 64, 8, 2**31 - 1
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    width = coff * head_dim
-
-    def randn(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
-
-    kv, score = randn(tokens, width), randn(tokens, width)
-    ape = randn(ratio, width, dtype=torch.float32)
-    cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45]
-    key = host.extend_problem(kv, ratio, coff, len(cu) - 1).key
+    kv = torch.empty(tokens, coff * 64, dtype=torch.bfloat16, device="cuda")
+    key = host.extend_problem(kv, ratio, coff, NUM_ISOLATED).key
     assert (tokens > extend_plan.DECODE_SIZED) == bool(key.knobs.part)
     lanes = tokens >= extend_plan.LANE_TOKENS
     assert lanes == getattr(key.knobs, "lane_requests", False)
-    start = [5, 3, 0, -4, 1, 2, int32_max - 5, 7]
-    slots = [2, 9, 5, 1, 3, 4, 6, 0]
-    valid = [0, 2, 7]
-    state = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
-    state.kv.copy_(randn(*state.kv.shape))
-    state.score.copy_(randn(*state.score.shape, dtype=torch.float32))
-    clean = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
-    clean.kv.copy_(state.kv)
-    clean.score.copy_(state.score)
-    untouched_kv, untouched_score = state.kv.clone(), state.score.clone()
-
-    def as_int32(values):
-        return torch.tensor(values, dtype=torch.int32, device="cuda")
-
-    out, cuc = OP(kv, score, ape, as_int32(cu), as_int32(start), as_int32(slots), state.kv,
-                  state.score, ratio, coff, None)
-    rows = [max(0, cu[b + 1] - cu[b]) for b in range(8)]
-    rows = [(max(p, 0) + n) // ratio - max(p, 0) // ratio for p, n in zip(start, rows)]
-    assert cuc.tolist() == [sum(rows[:b]) for b in range(9)]
-    pieces = [(cu[b], cu[b + 1]) for b in valid]
-    clean_cu = [0]
-    for lo, hi in pieces:
-        clean_cu.append(clean_cu[-1] + hi - lo)
-    want, want_cuc = OP(torch.cat([kv[lo:hi] for lo, hi in pieces]),
-                        torch.cat([score[lo:hi] for lo, hi in pieces]), ape, as_int32(clean_cu),
-                        as_int32([start[b] for b in valid]), as_int32([slots[b] for b in valid]),
-                        clean.kv, clean.score, ratio, coff, None)
-    bounds, want_bounds = cuc.tolist(), want_cuc.tolist()
-    for b in range(8):
-        got = out[bounds[b]:bounds[b + 1]]
-        if b in valid:
-            j = valid.index(b)
-            assert_bitwise_equal(got, want[want_bounds[j]:want_bounds[j + 1]], f"rows of {b}")
-        else:
-            assert int(torch.count_nonzero(got)) == 0, f"rows of invalid request {b}"
-    for slot in range(num_slots):
-        expect = (clean.kv[slot], clean.score[slot]) if slot in [slots[b] for b in valid] else (
-            untouched_kv[slot], untouched_score[slot])
-        assert_bitwise_equal(state.kv[slot], expect[0], f"kv_state slot {slot}")
-        assert_bitwise_equal(state.score[slot], expect[1], f"score_state slot {slot}")
+    check_invalid_requests_isolated(OP, ratio, coff, 64, tokens, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("padding", (5, -4, 600), ids=("padded", "truncated", "long"))
