@@ -205,7 +205,7 @@ INT32_MAX = 2**31 - 1
 NUM_ISOLATED = 9  # requests of check_invalid_requests_isolated's batch
 
 
-def _drawer(device, dtype, seed: int):
+def drawer(device, dtype, seed: int):
     """draw(*shape, to=dtype): normal values drawn in fp64 on the CPU (any device and dtype
     sees the same numbers)."""
     gen = torch.Generator().manual_seed(seed)
@@ -217,7 +217,7 @@ def _drawer(device, dtype, seed: int):
     return draw
 
 
-def _states(draw, num_slots, ratio, coff, head_dim, dtype, device):
+def twin_states(draw, num_slots, ratio, coff, head_dim, dtype, device):
     """(state, clean): two CompressorStates holding the same random content."""
     state = CompressorState(num_slots, ratio, coff, head_dim, dtype, device)
     state.kv.copy_(draw(*state.kv.shape))
@@ -230,13 +230,11 @@ def _states(draw, num_slots, ratio, coff, head_dim, dtype, device):
 
 def check_invalid_requests_isolated(extend, ratio: int, coff: int, head_dim: int, tokens: int,
                                     dtype, device) -> None:
-    """Invalid requests (slot out of range, negative or overflowing positions, tokens past T
-    or reversed) get zero rows and leave every slot alone, the valid ones' included (slots
-    -1 and 9 lie next to the valid slots 0 and 7); the valid ones in the same batch match a
-    clean call of them alone, each emitting rows at any ratio; cu_seqlens_comp counts every
-    request's rows. `extend` has the op's signature; the batch has NUM_ISOLATED requests."""
-    num_slots = 8
-    draw = _drawer(device, dtype, 3)
+    """assert_invalid_requests_isolated on a fixed batch of NUM_ISOLATED requests: invalid
+    ones of every kind (slot out of range, negative or overflowing positions, tokens past T
+    or reversed), slots -1 and 9 next to the valid slots 0 and 7, and valid requests that
+    each emit rows at any ratio."""
+    draw = drawer(device, dtype, 3)
     width = coff * head_dim
     kv, score = draw(tokens, width), draw(tokens, width)
     ape = draw(ratio, width, to=torch.float32)
@@ -244,8 +242,35 @@ def check_invalid_requests_isolated(extend, ratio: int, coff: int, head_dim: int
     start = [ratio - 3, 3, ratio - 4, -4, 1, 2, INT32_MAX - 5, 2 * ratio - 2, ratio - 1]
     slots = [2, 9, 5, -1, 3, 4, 6, 0, 7]
     valid = [0, 2, 7, 8]
-    assert len(slots) == NUM_ISOLATED
-    state, clean = _states(draw, num_slots, ratio, coff, head_dim, dtype, device)
+    assert len(slots) == NUM_ISOLATED and valid == valid_requests(cu, start, slots, tokens, 8)
+    assert all(rows_of(start[b], cu[b + 1] - cu[b], ratio) > 0 for b in valid)
+    state, clean = twin_states(draw, 8, ratio, coff, head_dim, dtype, device)
+    assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, slots, state, clean,
+                                     ratio, coff)
+
+
+def valid_requests(cu, start, slots, num_tokens: int, num_slots: int) -> list:
+    """The requests SPEC 8 allows, from Python lists (written apart from the reference)."""
+    return [b for b in range(len(start))
+            if 0 <= slots[b] < num_slots and start[b] >= 0 and 0 <= cu[b] <= cu[b + 1]
+            <= num_tokens and start[b] + cu[b + 1] - cu[b] <= INT32_MAX]
+
+
+def rows_of(start: int, length: int, ratio: int) -> int:
+    """A request's rows as SPEC 8 counts them (negative positions and lengths as 0)."""
+    start, length = max(start, 0), max(length, 0)
+    return (start + length) // ratio - start // ratio
+
+
+def assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, slots, state, clean,
+                                     ratio: int, coff: int) -> None:
+    """One call of `extend` (the op's signature) on a batch that mixes valid and invalid
+    requests (`cu`, `start`, `slots`: Python lists; the valid ones' tokens must not
+    overlap): invalid requests get zero rows and leave every slot alone, the valid ones get
+    the rows and state of a clean call of them alone (`clean`: a copy of `state`), and
+    cu_seqlens_comp counts every request's rows."""
+    device, batch = kv.device, len(start)
+    valid = valid_requests(cu, start, slots, kv.shape[0], state.kv.shape[0])
     untouched_kv, untouched_score = state.kv.clone(), state.score.clone()
 
     def int32(values):
@@ -253,20 +278,21 @@ def check_invalid_requests_isolated(extend, ratio: int, coff: int, head_dim: int
 
     out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(slots), state.kv,
                       state.score, ratio, coff, None)
-    rows = [max(0, cu[b + 1] - cu[b]) for b in range(NUM_ISOLATED)]
-    rows = [(max(p, 0) + n) // ratio - max(p, 0) // ratio for p, n in zip(start, rows)]
-    assert all(rows[b] > 0 for b in valid)
-    assert cuc.tolist() == [sum(rows[:b]) for b in range(NUM_ISOLATED + 1)]
-    pieces = [(cu[b], cu[b + 1]) for b in valid]
-    clean_cu = [0]
-    for lo, hi in pieces:
-        clean_cu.append(clean_cu[-1] + hi - lo)
-    want, want_cuc = extend(torch.cat([kv[lo:hi] for lo, hi in pieces]),
-                            torch.cat([score[lo:hi] for lo, hi in pieces]), ape, int32(clean_cu),
-                            int32([start[b] for b in valid]), int32([slots[b] for b in valid]),
-                            clean.kv, clean.score, ratio, coff, None)
-    bounds, want_bounds = cuc.tolist(), want_cuc.tolist()
-    for b in range(NUM_ISOLATED):
+    rows = [rows_of(start[b], cu[b + 1] - cu[b], ratio) for b in range(batch)]
+    assert cuc.tolist() == [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
+    bounds, want_bounds, want = cuc.tolist(), [0], None
+    if valid:
+        pieces = [(cu[b], cu[b + 1]) for b in valid]
+        clean_cu = [0]
+        for lo, hi in pieces:
+            clean_cu.append(clean_cu[-1] + hi - lo)
+        want, want_cuc = extend(torch.cat([kv[lo:hi] for lo, hi in pieces]),
+                                torch.cat([score[lo:hi] for lo, hi in pieces]), ape,
+                                int32(clean_cu), int32([start[b] for b in valid]),
+                                int32([slots[b] for b in valid]), clean.kv, clean.score, ratio,
+                                coff, None)
+        want_bounds = want_cuc.tolist()
+    for b in range(batch):
         got = out[bounds[b]:bounds[b + 1]]
         if b in valid:
             j = valid.index(b)
@@ -274,7 +300,7 @@ def check_invalid_requests_isolated(extend, ratio: int, coff: int, head_dim: int
         else:
             assert int(torch.count_nonzero(got)) == 0, f"rows of invalid request {b}"
     valid_slots = [slots[b] for b in valid]
-    for slot in range(num_slots):
+    for slot in range(state.kv.shape[0]):
         expect = (clean.kv[slot], clean.score[slot]) if slot in valid_slots else (
             untouched_kv[slot], untouched_score[slot])
         assert_bitwise_equal(state.kv[slot], expect[0], f"kv_state slot {slot}")
@@ -288,7 +314,7 @@ def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: 
     int32. `extend` (the op's signature) must saturate the offsets, give request 0 the rows
     and state of a clean call of it alone, zero every later row and leave the other slots
     alone."""
-    draw = _drawer(device, dtype, 7)
+    draw = drawer(device, dtype, 7)
     width, start0 = coff * head_dim, 3
 
     def int32(values):
@@ -301,12 +327,11 @@ def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: 
                                                                       to=torch.float32)
     cu = [0] + [wrap(tokens + b * INT32_MAX) for b in range(batch)]
     start = [start0] + [5 * b for b in range(1, batch)]
-    rows = [(p + wrap(hi - lo)) // ratio - p // ratio
-            for p, lo, hi in zip(start, cu[:-1], cu[1:])]
+    rows = [rows_of(p, wrap(hi - lo), ratio) for p, lo, hi in zip(start, cu[:-1], cu[1:])]
     assert sum(rows) > INT32_MAX, "the batch must count rows past int32"
     want_cuc = [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
     num_rows = rows[0] + extra_rows
-    state, clean = _states(draw, batch, ratio, coff, head_dim, dtype, device)
+    state, clean = twin_states(draw, batch, ratio, coff, head_dim, dtype, device)
     kv_before, score_before = state.kv.clone(), state.score.clone()
 
     out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(list(range(batch))),

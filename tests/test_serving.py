@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +20,20 @@ from helpers import assert_bitwise_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving_helpers import (
+    INT32_MAX,
+    assert_invalid_requests_isolated,
     assert_rows,
     assert_state,
     case_id,
     check_invalid_requests_isolated,
     check_rows_past_int32,
+    drawer,
     make_requests,
     permuted_slots,
     random_schedule,
     run_schedule,
     step_inputs,
+    twin_states,
 )
 
 import csa_ops
@@ -433,6 +438,48 @@ def test_adversarial_inputs_stay_in_bounds():
             d["cu_seqlens"] = torch.randint(-5, 8, (4,), generator=gen, dtype=torch.int32)
             out, cuc = reference_extend.compressor_extend_reference(*_args(d))
             assert out.shape == (3, 8) and cuc.shape == (4,)
+
+
+# How a request of test_property_invalid_requests_are_isolated is made invalid, if at all.
+BREAKS = ("none", "none", "slot_high", "slot_low", "start_low", "start_high", "tokens_past")
+
+
+@settings(max_examples=60, deadline=None)
+@given(ratio=st.sampled_from([1, 2, 3, 4, 5, 8, 16]), coff=st.sampled_from([1, 2]),
+       requests=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 50),
+                                   st.sampled_from(BREAKS)), min_size=1, max_size=8),
+       seed=st.integers(0, 2**16))
+def test_property_invalid_requests_are_isolated(ratio, coff, requests, seed):
+    """Random batches of (new tokens, start, break) mixing valid requests with invalid ones
+    of every kind, on the path CUDA takes (no content checks): invalid requests are
+    isolated, slots clamped onto valid ones' included (assert_invalid_requests_isolated).
+    A request whose tokens lie past T takes its successor's first token with it."""
+    batch = len(requests)
+    num_slots = batch + 1
+    cu = [0]
+    for n, _, _ in requests:
+        cu.append(cu[-1] + n)
+    tokens = cu[-1]
+    slots = random.Random(seed).sample(range(num_slots), batch)
+    start = [p for _, p, _ in requests]
+    for b, (_, p, kind) in enumerate(requests):
+        if kind == "slot_high":
+            slots[b] = num_slots + p  # the reference clamps it onto slot num_slots - 1
+        elif kind == "slot_low":
+            slots[b] = -1 - p  # ... onto slot 0
+        elif kind == "start_low":
+            start[b] = -1 - p
+        elif kind == "start_high":
+            start[b] = INT32_MAX - p % 3  # invalid where more new tokens than p % 3
+        elif kind == "tokens_past":
+            cu[b + 1] = tokens + 1 + p
+    draw = drawer("cpu", torch.float32, seed)
+    width = coff * 4
+    state, clean = twin_states(draw, num_slots, ratio, coff, 4, torch.float32, "cpu")
+    assert_invalid_requests_isolated(reference_extend.compressor_extend_reference,
+                                     draw(tokens, width), draw(tokens, width),
+                                     draw(ratio, width), cu, start, slots, state, clean, ratio,
+                                     coff)
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2), (16, 1)])
