@@ -82,11 +82,7 @@ class Batch:
             local = local + Int64(self.count(starts[b], cu[b + 1] - cu[b]))
         lane = tid % 32
         incl = warp_prefix(saturated(local), lane)
-        # The exclusive prefix is the previous lane's incl: incl - local is not, where incl
-        # saturated. The shuffle is in flight during the barrier.
-        running = cute.arch.shuffle_sync_up(incl, 1)
-        if lane == 0:
-            running = Int32(0)
+        running = warp_exclusive(incl, lane)  # the shuffle is in flight during the barrier
         if lane == 31:
             sWarp[tid // 32] = incl
         cute.arch.sync_threads()
@@ -113,10 +109,8 @@ class Batch:
             ok, tok0, start, _, _, rows = self.request(cu, starts, slots, lane, num_tokens,
                                                        num_slots)
         incl = warp_prefix(rows, lane)
-        before = cute.arch.shuffle_sync_up(incl, 1)  # not incl - rows: incl may saturate
-        if lane == 0:
-            before = Int32(0)
-        return ok, tok0, start, rows, before, cute.arch.shuffle_sync(incl, 31)
+        return (ok, tok0, start, rows, warp_exclusive(incl, lane),
+                cute.arch.shuffle_sync(incl, 31))
 
     @cute.jit
     def lane_of_row(self, n, held):
@@ -226,10 +220,20 @@ def warp_prefix(value, lane):
 
 
 @cute.jit
+def warp_exclusive(incl, lane):
+    """The exclusive prefix from warp_prefix's inclusive one: the previous lane's (0 in lane
+    0). Not incl - value: where incl saturated, that is below the true prefix."""
+    before = cute.arch.shuffle_sync_up(incl, 1)
+    if lane == 0:
+        before = Int32(0)
+    return before
+
+
+@cute.jit
 def warp_row_sum(value):
     """Sum of counts `value` (>= 0) over a warp, saturating (add_rows). redux.sync adds in
     wrapping int32, so it sums the counts' high and low bits apart: neither sum can wrap
     (32 * 2**23 < 2**31), both reductions are in flight at once."""
     high = cute.arch.warp_redux_sync(value >> 8, "add")
     low = cute.arch.warp_redux_sync(value & 255, "add")
-    return Int32(cutlass.min(Int64(high) * 256 + Int64(low), Int64(INT32_MAX)))
+    return saturated(Int64(high) * 256 + Int64(low))
