@@ -262,25 +262,35 @@ def rows_of(start: int, length: int, ratio: int) -> int:
     return (start + length) // ratio - start // ratio
 
 
+def int32_wrap(value: int) -> int:
+    """`value` as int32 arithmetic leaves it (two's complement wrap)."""
+    return (value + 2**31) % 2**32 - 2**31
+
+
+def int32_tensor(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
 def assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, slots, state, clean,
-                                     ratio: int, coff: int) -> None:
+                                     ratio: int, coff: int, total_comp=None) -> None:
     """One call of `extend` (the op's signature) on a batch that mixes valid and invalid
-    requests (`cu`, `start`, `slots`: Python lists; the valid ones' tokens must not
-    overlap): invalid requests get zero rows and leave every slot alone, the valid ones get
-    the rows and state of a clean call of them alone (`clean`: a copy of `state`), and
-    cu_seqlens_comp counts every request's rows."""
+    requests (`cu`, `start`, `slots`: Python lists of int32 values; the valid ones' tokens
+    must not overlap): invalid requests get zero rows and leave every slot alone, the valid
+    ones get the rows and state of a clean call of them alone (`clean`: a copy of `state`),
+    cu_seqlens_comp counts every request's rows (lengths in int32, like the op's; offsets
+    saturating at INT32_MAX), and padding rows past them are zeros."""
     device, batch = kv.device, len(start)
     valid = valid_requests(cu, start, slots, kv.shape[0], state.kv.shape[0])
     untouched_kv, untouched_score = state.kv.clone(), state.score.clone()
-
-    def int32(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(slots), state.kv,
-                      state.score, ratio, coff, None)
-    rows = [rows_of(start[b], cu[b + 1] - cu[b], ratio) for b in range(batch)]
-    assert cuc.tolist() == [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
-    bounds, want_bounds, want = cuc.tolist(), [0], None
+    out, cuc = extend(kv, score, ape, int32_tensor(cu, device), int32_tensor(start, device),
+                      int32_tensor(slots, device), state.kv, state.score, ratio, coff,
+                      total_comp)
+    rows = [rows_of(start[b], int32_wrap(cu[b + 1] - cu[b]), ratio) for b in range(batch)]
+    bounds = [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
+    assert cuc.tolist() == bounds
+    assert out.shape == (bounds[-1] if total_comp is None else total_comp, kv.shape[1] // coff)
+    assert int(torch.count_nonzero(out[bounds[-1]:])) == 0, "padding rows"
+    want_bounds, want = [0], None
     if valid:
         pieces = [(cu[b], cu[b + 1]) for b in valid]
         clean_cu = [0]
@@ -288,9 +298,10 @@ def assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, slots, s
             clean_cu.append(clean_cu[-1] + hi - lo)
         want, want_cuc = extend(torch.cat([kv[lo:hi] for lo, hi in pieces]),
                                 torch.cat([score[lo:hi] for lo, hi in pieces]), ape,
-                                int32(clean_cu), int32([start[b] for b in valid]),
-                                int32([slots[b] for b in valid]), clean.kv, clean.score, ratio,
-                                coff, None)
+                                int32_tensor(clean_cu, device),
+                                int32_tensor([start[b] for b in valid], device),
+                                int32_tensor([slots[b] for b in valid], device), clean.kv,
+                                clean.score, ratio, coff, None)
         want_bounds = want_cuc.tolist()
     for b in range(batch):
         got = out[bounds[b]:bounds[b + 1]]
@@ -309,40 +320,19 @@ def assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, slots, s
 
 def check_rows_past_int32(extend, ratio: int, coff: int, head_dim: int, tokens: int,
                           batch: int, extra_rows: int, dtype, device) -> None:
-    """Request 0 is valid (all `tokens` new tokens, from position 3, slot 0); requests 1..
-    are invalid, each counting int32-wrapped 2**31 - 1 tokens, so the batch counts rows past
-    int32. `extend` (the op's signature) must saturate the offsets, give request 0 the rows
-    and state of a clean call of it alone, zero every later row and leave the other slots
-    alone."""
+    """assert_invalid_requests_isolated at a static capacity of `extra_rows` past request
+    0's rows: request 0 is valid (all `tokens` new tokens, from position 3, slot 0); requests
+    1.. are invalid, each counting int32-wrapped 2**31 - 1 tokens, so the batch counts rows
+    past int32 and the offsets must saturate."""
     draw = drawer(device, dtype, 7)
-    width, start0 = coff * head_dim, 3
-
-    def int32(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    def wrap(value):
-        return (value + 2**31) % 2**32 - 2**31
-
+    width = coff * head_dim
     kv, score, ape = draw(tokens, width), draw(tokens, width), draw(ratio, width,
                                                                       to=torch.float32)
-    cu = [0] + [wrap(tokens + b * INT32_MAX) for b in range(batch)]
-    start = [start0] + [5 * b for b in range(1, batch)]
-    rows = [rows_of(p, wrap(hi - lo), ratio) for p, lo, hi in zip(start, cu[:-1], cu[1:])]
+    cu = [0] + [int32_wrap(tokens + b * INT32_MAX) for b in range(batch)]
+    start = [3] + [5 * b for b in range(1, batch)]
+    rows = [rows_of(p, int32_wrap(hi - lo), ratio) for p, lo, hi in zip(start, cu[:-1], cu[1:])]
     assert sum(rows) > INT32_MAX, "the batch must count rows past int32"
-    want_cuc = [min(sum(rows[:b]), INT32_MAX) for b in range(batch + 1)]
-    num_rows = rows[0] + extra_rows
+    assert valid_requests(cu, start, list(range(batch)), tokens, batch) == [0]
     state, clean = twin_states(draw, batch, ratio, coff, head_dim, dtype, device)
-    kv_before, score_before = state.kv.clone(), state.score.clone()
-
-    out, cuc = extend(kv, score, ape, int32(cu), int32(start), int32(list(range(batch))),
-                      state.kv, state.score, ratio, coff, num_rows)
-    want, _ = extend(kv, score, ape, int32([0, tokens]), int32([start0]), int32([0]),
-                     clean.kv, clean.score, ratio, coff, rows[0])
-    assert cuc.tolist() == want_cuc
-    assert out.shape == (num_rows, head_dim)
-    assert_bitwise_equal(out[:rows[0]], want, "the valid request's rows")
-    assert_bitwise_equal(state.kv[0], clean.kv[0], "kv_state of the valid request")
-    assert_bitwise_equal(state.score[0], clean.score[0], "score_state of the valid request")
-    assert_bitwise_equal(state.kv[1:], kv_before[1:], "kv_state of the invalid requests")
-    assert_bitwise_equal(state.score[1:], score_before[1:], "score_state of the invalid requests")
-    assert int(torch.count_nonzero(out[rows[0]:])) == 0, "rows of the invalid requests"
+    assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, list(range(batch)),
+                                     state, clean, ratio, coff, rows[0] + extra_rows)
