@@ -13,7 +13,7 @@ import random
 import torch
 from helpers import assert_bitwise_equal
 
-from csa_ops import CompressorState
+from csa_ops import CompressorState, reference_extend, serving
 
 
 @dataclasses.dataclass
@@ -232,21 +232,30 @@ def check_invalid_requests_isolated(extend, ratio: int, coff: int, head_dim: int
                                     dtype, device) -> None:
     """assert_invalid_requests_isolated on a fixed batch of NUM_ISOLATED requests: invalid
     ones of every kind (slot out of range, negative or overflowing positions, tokens past T
-    or reversed), slots -1 and 9 next to the valid slots 0 and 7, and valid requests that
-    each emit rows at any ratio."""
+    or reversed), slots -1 and 9 next to the valid slots 0 and 8 (the first and last of 9:
+    the op's shape check wants a slot per request), and valid requests that each emit rows
+    at any ratio."""
     draw = drawer(device, dtype, 3)
     width = coff * head_dim
     kv, score = draw(tokens, width), draw(tokens, width)
     ape = draw(ratio, width, to=torch.float32)
     cu = [0, 10, 14, 20, 24, tokens + 12, 30, 40, 45, 47]
     start = [ratio - 3, 3, ratio - 4, -4, 1, 2, INT32_MAX - 5, 2 * ratio - 2, ratio - 1]
-    slots = [2, 9, 5, -1, 3, 4, 6, 0, 7]
+    slots = [2, 9, 5, -1, 3, 4, 6, 0, 8]
     valid = [0, 2, 7, 8]
-    assert len(slots) == NUM_ISOLATED and valid == valid_requests(cu, start, slots, tokens, 8)
+    assert len(slots) == NUM_ISOLATED and valid == valid_requests(cu, start, slots, tokens, 9)
     assert all(rows_of(start[b], cu[b + 1] - cu[b], ratio) > 0 for b in valid)
-    state, clean = twin_states(draw, 8, ratio, coff, head_dim, dtype, device)
+    state, clean = twin_states(draw, 9, ratio, coff, head_dim, dtype, device)
     assert_invalid_requests_isolated(extend, kv, score, ape, cu, start, slots, state, clean,
                                      ratio, coff)
+
+
+def unchecked_extend(*args):
+    """The path a CUDA call of the op takes, on any device: every metadata check, no check
+    of contents (slots, positions, offsets), then the reference, which runs where the
+    kernels do not."""
+    serving.check_arguments(*args)
+    return reference_extend.compressor_extend_reference(*args)
 
 
 def valid_requests(cu, start, slots, num_tokens: int, num_slots: int) -> list:
