@@ -370,6 +370,13 @@ def _build(key: KernelKey):
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(warp_sums), 4)
         active = tid < g.threads and (not g.ragged_cols or cv < g.tpr)
 
+        # The batch's first row counts load first: the CTA's sums wait on them, and its
+        # requests' loads, issued next, are in flight meanwhile.
+        held = batch.counts()
+        if cutlass.const_expr(request_rows):
+            batch.load_counts(held, cu, starts, num_reqs, tid, nt)
+        else:
+            batch.load_counts(held, cu, starts, num_reqs, batch.run_of(num_reqs, tid)[0], 1)
         # A request's first row issues its window loads before the scan (latency); a split
         # call's first part issues every head row's.
         windows = [window_registers() for _ in range(early_heads)]
@@ -411,7 +418,7 @@ def _build(key: KernelKey):
             counter = cvl == 0 and tid < g.threads  # one thread per item
             if counter:
                 sRows[ry] = rows
-            below, total = batch.row_sums(cu, starts, num_reqs, item0, tid, sWarp)
+            below, total = batch.row_sums(cu, starts, num_reqs, item0, tid, sWarp, held)
             rows_before = Int64(below)
             for j in cutlass.range_constexpr(g.rpc - 1):
                 if j < ry:
@@ -427,7 +434,7 @@ def _build(key: KernelKey):
 
             # Row offsets: thread t counts the rows of a contiguous run of requests, a block
             # scan gives each run its first row.
-            b_lo, b_hi, running, total = batch.scan(cu, starts, num_reqs, tid, sWarp)
+            b_lo, b_hi, running, total = batch.scan(cu, starts, num_reqs, tid, sWarp, held)
             # Each request records its first row for its own item and its request for the
             # CTA's row items it covers (at most rpc iterations per CTA in all).
             row_lo = cutlass.max(item0 - num_reqs, Int32(0))

@@ -21,6 +21,10 @@ import cutlass
 from cutlass import Int32, Int64, cute
 
 INT32_MAX = 2**31 - 1
+# Requests whose row counts' loads a thread issues at once (load_counts): two take a
+# 128-thread CTA over a batch of 256 in one round trip; four cost the register-window step
+# kernel 18 registers (112 against 94: a CTA less per SM).
+COUNTS_AHEAD = 2
 
 
 @cute.jit
@@ -69,17 +73,49 @@ class Batch:
         ok = ok & (tok1 <= num_tokens) & (Int64(start) + Int64(length) <= Int64(INT32_MAX))
         return ok, tok0, start, length, slot, self.count(start, length)
 
-    @cute.jit
-    def scan(self, cu, starts, num_reqs, tid, sWarp):
-        """(b_lo, b_hi, running, total): thread tid's contiguous run of requests
-        [b_lo, b_hi), the first row of that run and the batch's row count (saturating,
-        add_rows). Ends with a CTA barrier; sWarp holds one int32 per warp."""
+    def run_of(self, num_reqs, tid):
+        """(b_lo, b_hi): thread tid's contiguous run of requests in a scan."""
         per = (num_reqs + (self.nt - 1)) // self.nt
         b_lo = cutlass.min(tid * per, num_reqs)
-        b_hi = cutlass.min(b_lo + per, num_reqs)
+        return b_lo, cutlass.min(b_lo + per, num_reqs)
+
+    def counts(self):
+        """Registers for load_counts."""
+        return cute.make_rmem_tensor((3, COUNTS_AHEAD), Int32)
+
+    @cute.jit
+    def load_counts(self, held, cu, starts, num_reqs, first, stride):
+        """Loads into `held` (counts()) the row counts' inputs (start, first token, end
+        token) of requests first + i * stride, i < COUNTS_AHEAD, every load issued before
+        any is used: one round trip for all of them, where a loop over requests takes one
+        each. A request past the batch loads its last one (in bounds; held_rows drops it);
+        an empty batch loads nothing. Kernels issue the loads of a thread's first requests
+        ahead of their other work."""
+        if num_reqs > 0:
+            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+                b = cutlass.min(first + i * stride, num_reqs - 1)
+                held[0, i] = starts[b]
+                held[1, i] = cu[b]
+                held[2, i] = cu[b + 1]
+
+    def held_rows(self, held, i, real):
+        """The rows of load_counts' request i, 0 unless `real`."""
+        rows = self.count(held[0, i], held[2, i] - held[1, i])
+        return cutlass.select_(real, rows, Int32(0))
+
+    @cute.jit
+    def scan(self, cu, starts, num_reqs, tid, sWarp, held):
+        """(b_lo, b_hi, running, total): thread tid's run of requests [b_lo, b_hi)
+        (run_of), the first row of that run and the batch's row count (saturating,
+        add_rows). `held`: load_counts of the run's first requests (stride 1), issued
+        early. Ends with a CTA barrier; sWarp holds one int32 per warp."""
+        b_lo, b_hi = self.run_of(num_reqs, tid)
         local = Int64(0)
-        for b in cutlass.range(b_lo, b_hi, unroll=4):  # unrolled: the loads overlap
-            local = local + Int64(self.count(starts[b], cu[b + 1] - cu[b]))
+        for b0 in cutlass.range(b_lo, b_hi, COUNTS_AHEAD, unroll=1):
+            if b0 != b_lo:
+                self.load_counts(held, cu, starts, num_reqs, b0, 1)
+            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+                local = local + Int64(self.held_rows(held, i, b0 + i < b_hi))
         lane = tid % 32
         incl = warp_prefix(saturated(local), lane)
         running = warp_exclusive(incl, lane)  # the shuffle is in flight during the barrier
@@ -128,10 +164,11 @@ class Batch:
                 cute.arch.shuffle_sync(tok0, lane), cute.arch.shuffle_sync(start, lane), rows_b)
 
     @cute.jit
-    def row_sums(self, cu, starts, num_reqs, limit, tid, sWarp):
+    def row_sums(self, cu, starts, num_reqs, limit, tid, sWarp, held):
         """(rows of requests [0, limit), rows of all requests), saturating (add_rows):
-        requests strided over the CTA (coalesced loads), then one CTA reduction that ends
-        with a barrier; sWarp holds two int32 per warp. The sums run in int32, as exact as
+        requests strided over the CTA (coalesced loads; `held`: load_counts of the
+        thread's first ones, stride `threads`, issued early), then one CTA reduction that
+        ends with a barrier; sWarp holds two int32 per warp. The sums run in int32, as exact as
         int64 unless the batch can count more than INT32_MAX rows, which only invalid
         requests can: each thread keeps its largest count, and where that many rows in every
         request could pass INT32_MAX the CTA sums again, saturating. (Decode steps call this:
@@ -140,12 +177,16 @@ class Batch:
         below = Int32(0)
         total = Int32(0)
         largest = Int32(0)
-        for b in cutlass.range(tid, num_reqs, self.nt, unroll=2):
-            rows = self.count(starts[b], cu[b + 1] - cu[b])
-            total = total + rows
-            largest = cutlass.max(largest, rows)
-            if b < limit:
-                below = below + rows
+        chunk = COUNTS_AHEAD * self.nt
+        for b0 in cutlass.range(tid, num_reqs, chunk, unroll=1):
+            if b0 != tid:
+                self.load_counts(held, cu, starts, num_reqs, b0, self.nt)
+            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+                b = b0 + i * self.nt
+                rows = self.held_rows(held, i, b < num_reqs)
+                total = total + rows
+                largest = cutlass.max(largest, rows)
+                below = below + cutlass.select_(b < limit, rows, Int32(0))
         could_pass = Int64(largest) * Int64(num_reqs) > Int64(INT32_MAX)
         below = cute.arch.warp_redux_sync(below, "add")
         total = cute.arch.warp_redux_sync(total, "add")

@@ -1029,16 +1029,19 @@ class _StreamingExtend(_Streaming):
             ni = cutlass.min((items - rg + groups - 1) // groups, MAX_ROWS)
         for j in cutlass.range(tid, ni, self.nt, unroll=1):
             sItem[j] = Int32(NO_REQUEST)
-        # The thread's first item (its subwarp's, or the CTA's only one) loads its request
-        # now, in flight with the scan's loads rather than after them (the CTA's only item
-        # then finds it in L1).
+        # The scan's first row counts load first, then the thread's first item (its
+        # subwarp's, or the CTA's only one) loads its request, in flight with them rather
+        # than after the scan (the CTA's only item then finds it in L1).
+        held = self.batch.counts()
+        self.batch.load_counts(held, mCu, mStart, num_reqs,
+                               self.batch.run_of(num_reqs, tid)[0], 1)
         j0 = Int32(0)
         if ni > 1:
             j0 = tid // self.quiet_lanes
         first = self._preload_request(mCu, mStart, mSlots, rg + j0 * groups, num_reqs,
                                       num_tokens, num_slots)
         # The scan's barrier publishes sItem before the placement below overwrites any.
-        b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp)
+        b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
         for b in cutlass.range(b_lo, b_hi, unroll=1):
             rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
             if bid == 0:
@@ -1131,11 +1134,14 @@ class _StreamingExtend(_Streaming):
                        num_reqs, num_slots, tid, sWarp):
         """rows_kernel's row table, rows rg, rg + groups, ...: a batch scan, then each
         request's rows that are this CTA's. Returns the CTA's row count."""
+        held = self.batch.counts()
+        self.batch.load_counts(held, mCu, mStart, num_reqs,
+                               self.batch.run_of(num_reqs, tid)[0], 1)
         nr = self._rows_owned(rg, num_rows, groups)
         for j in cutlass.range(tid, nr, self.nt, unroll=1):
             sFl[j] = Int32(0)  # zeros, unless a request holds the row
         # The scan's barrier publishes sFl before the placement below overwrites any.
-        b_lo, b_hi, running, _ = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp)
+        b_lo, b_hi, running, _ = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
         for b in cutlass.range(b_lo, b_hi, unroll=1):
             rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
             n0, hi = self._rows_here(running, rows_b, rg, groups, num_rows)
