@@ -372,11 +372,10 @@ def _build(key: KernelKey):
 
         # The batch's first row counts load first: the CTA's sums wait on them, and its
         # requests' loads, issued next, are in flight meanwhile.
-        held = batch.counts()
         if cutlass.const_expr(request_rows):
-            batch.load_counts(held, cu, starts, num_reqs, tid, nt)
+            held = batch.strided_counts(cu, starts, num_reqs, tid)
         else:
-            batch.load_counts(held, cu, starts, num_reqs, batch.run_of(num_reqs, tid)[0], 1)
+            held = batch.run_counts(cu, starts, num_reqs, tid)
         # A request's first row issues its window loads before the scan (latency); a split
         # call's first part issues every head row's.
         windows = [window_registers() for _ in range(early_heads)]

@@ -83,6 +83,19 @@ class Batch:
         """Registers for load_counts."""
         return cute.make_rmem_tensor((3, COUNTS_AHEAD), Int32)
 
+    def run_counts(self, cu, starts, num_reqs, tid):
+        """load_counts of the first requests of thread tid's run: scan's `held`."""
+        held = self.counts()
+        self.load_counts(held, cu, starts, num_reqs, self.run_of(num_reqs, tid)[0], 1)
+        return held
+
+    def strided_counts(self, cu, starts, num_reqs, tid):
+        """load_counts of thread tid's first requests, strided over the CTA: row_sums'
+        `held`."""
+        held = self.counts()
+        self.load_counts(held, cu, starts, num_reqs, tid, self.nt)
+        return held
+
     @cute.jit
     def load_counts(self, held, cu, starts, num_reqs, first, stride):
         """Loads into `held` (counts()) the row counts' inputs (start, first token, end

@@ -1032,9 +1032,7 @@ class _StreamingExtend(_Streaming):
         # The scan's first row counts load first, then the thread's first item (its
         # subwarp's, or the CTA's only one) loads its request, in flight with them rather
         # than after the scan (the CTA's only item then finds it in L1).
-        held = self.batch.counts()
-        self.batch.load_counts(held, mCu, mStart, num_reqs,
-                               self.batch.run_of(num_reqs, tid)[0], 1)
+        held = self.batch.run_counts(mCu, mStart, num_reqs, tid)
         j0 = Int32(0)
         if ni > 1:
             j0 = tid // self.quiet_lanes
@@ -1134,9 +1132,7 @@ class _StreamingExtend(_Streaming):
                        num_reqs, num_slots, tid, sWarp):
         """rows_kernel's row table, rows rg, rg + groups, ...: a batch scan, then each
         request's rows that are this CTA's. Returns the CTA's row count."""
-        held = self.batch.counts()
-        self.batch.load_counts(held, mCu, mStart, num_reqs,
-                               self.batch.run_of(num_reqs, tid)[0], 1)
+        held = self.batch.run_counts(mCu, mStart, num_reqs, tid)
         nr = self._rows_owned(rg, num_rows, groups)
         for j in cutlass.range(tid, nr, self.nt, unroll=1):
             sFl[j] = Int32(0)  # zeros, unless a request holds the row
