@@ -30,6 +30,8 @@ def main(argv=None) -> None:
     p.add_argument("--config", default="d512_r4c2", choices=sorted(bench_serving.CONFIGS))
     p.add_argument("--batches", default="256", help="decode batch sizes")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("profile_extend.py needs a CUDA device")
     serving = bench_serving.parse_args(["--no-compile"])
     head_dim, ratio, coff, _ = bench_serving._config(serving, args.config)
     forward = host.select_key(ratio, coff, head_dim, "bfloat16", "sm_90a", False)
