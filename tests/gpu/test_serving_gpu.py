@@ -172,6 +172,34 @@ def test_one_token_per_request_calls_with_uneven_pieces(ratio, coff):
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1)], ids=("window", "streaming"))
+def test_many_requests_count_rows_over_several_chunks(ratio, coff):
+    """1030 requests: a call of their first tokens (pieces of 0 included), then two decode
+    steps. Each thread counts the rows of several chunks of requests (Batch.load_counts),
+    the last one partial: in the first call's batch scans and in the steps' row sums
+    (register windows) or scans (streaming). Rows, cu_seqlens_comp, padding and state
+    bitwise against the one-shot csa::compressor and SPEC 8's state."""
+    from csa_ops import host
+    from csa_ops.kernels import requests
+
+    num_requests, head_dim, num_slots = 1030, 64, 1037
+    rng = random.Random(5)
+    prefix = [rng.randint(0, 2 * ratio + 1) for _ in range(num_requests)]
+    lengths = [p + 2 for p in prefix]
+    req = make_requests(lengths, ratio, coff, head_dim, torch.bfloat16, device="cuda", seed=8)
+    step_kv = torch.empty(num_requests, coff * head_dim, dtype=torch.bfloat16, device="cuda")
+    threads = host.extend_problem(step_kv, ratio, coff, num_requests).key.knobs.threads
+    assert num_requests > 2 * requests.COUNTS_AHEAD * threads  # at least three chunks
+    one_each = [(i, 1) for i in range(num_requests)]
+    schedule = [list(enumerate(prefix)), one_each, one_each]
+    slot_of = permuted_slots(num_requests, num_slots, 3)
+    state = CompressorState(num_slots, ratio, coff, head_dim, torch.bfloat16, "cuda")
+    rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=4)
+    assert consumed == lengths
+    assert_rows(req, rows, assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
 def _decode_inputs(batch, ratio, coff, head_dim, num_slots, steps, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     width = coff * head_dim
