@@ -1,7 +1,8 @@
 """Device helpers of csa::compressor_extend shared by its two kernels (extend.py for register
 windows, streaming.py for large ones): a request's validity and row count as the reference
 defines them, the batch's row offsets by one block-wide scan, the two sums a CTA whose
-requests pool their own rows needs instead, and, for batches of at most 32 requests, the
+requests pool their own rows needs instead (both load the row counts' inputs a chunk of
+requests per round trip, `load_counts`), and, for batches of at most 32 requests, the
 whole batch held in one warp's lanes.
 
 A request is `ok` when its tokens lie in [0, num_tokens), its slot in [0, num_slots),
