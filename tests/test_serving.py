@@ -477,27 +477,25 @@ def test_property_invalid_requests_are_isolated(ratio, coff, requests, seed):
     draw = drawer("cpu", torch.float32, seed)
     width = coff * 4
     state, clean = twin_states(draw, num_slots, ratio, coff, 4, torch.float32, "cpu")
-    assert_invalid_requests_isolated(unchecked_extend,
-                                     draw(tokens, width), draw(tokens, width),
-                                     draw(ratio, width), cu, start, slots, state, clean, ratio,
-                                     coff)
+    assert_invalid_requests_isolated(unchecked_extend, draw(tokens, width),
+                                     draw(tokens, width), draw(ratio, width), cu, start, slots,
+                                     state, clean, ratio, coff)
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2), (16, 1)])
 def test_invalid_requests_are_isolated(ratio, coff):
     """The path CUDA takes (no content checks): the reference treats invalid requests as the
     kernels do, slots that clamp onto valid ones included."""
-    check_invalid_requests_isolated(unchecked_extend, ratio, coff,
-                                    head_dim=8, tokens=48, dtype=torch.float32, device="cpu")
+    check_invalid_requests_isolated(unchecked_extend, ratio, coff, head_dim=8, tokens=48,
+                                    dtype=torch.float32, device="cpu")
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (17, 2), (5, 1)])
 def test_row_offsets_saturate_past_int32(ratio, coff):
     """Invalid requests counting rows past int32 (the path CUDA takes: no content checks):
     cu_seqlens_comp saturates, the valid request before them is untouched by them."""
-    check_rows_past_int32(unchecked_extend, ratio, coff,
-                          head_dim=8, tokens=45, batch=40, extra_rows=6, dtype=torch.float32,
-                          device="cpu")
+    check_rows_past_int32(unchecked_extend, ratio, coff, head_dim=8, tokens=45, batch=40,
+                          extra_rows=6, dtype=torch.float32, device="cpu")
 
 
 # ---------------------------------------------------------------------------------------
