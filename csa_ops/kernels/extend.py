@@ -34,14 +34,14 @@ from . import requests, window
 DECODE_MOVED = 7  # most state entries a decode request's update keeps in registers
 
 
-def _column_fast(g, rL, rKV, i, first):
-    logits, m = window._window_logits(g, lambda k: Float32(rL[i, k]), first)
-    return window._pool_fast(g, logits, m, lambda k: Float32(rKV[i, k]), first)
+def _column_fast(g, logit, value, first):
+    logits, m = window._window_logits(g, logit, first)
+    return window._pool_fast(g, logits, m, value, first)
 
 
-def _column_exact(g, rL, rKV, i, first):
-    logits, m = window._window_logits(g, lambda k: Float32(rL[i, k]), first)
-    return window._pool_exact(g, *window._softmax(g, logits, m, lambda k: Float32(rKV[i, k])))
+def _column_exact(g, logit, value, first):
+    logits, m = window._window_logits(g, logit, first)
+    return window._pool_exact(g, *window._softmax(g, logits, m, value))
 
 
 def _build(key: KernelKey):
@@ -76,6 +76,39 @@ def _build(key: KernelKey):
             return k * D
         return (k % R) * (2 * D) + (k // R) * D
 
+    # A register fragment of V elements as 32-bit words where it fills whole words (2-byte
+    # types, V even): loaded and merged across branches as words, its elements unpack where
+    # they are read. As 16-bit registers every branch's merge unpacks them, and those
+    # unpacks, placed before the row sums' barrier, made the barrier wait for the loads.
+    words = V * g.dtype.width // 32 if (V * g.dtype.width) % 32 == 0 else 0
+
+    def packed(t):
+        return cute.recast_tensor(t, Int32) if cutlass.const_expr(words) else t
+
+    def load_vector(p, off, t):
+        """t (a fragment of V elements of the kernel's type) = the V at p + off."""
+        cute.autovec_copy(packed(cute.make_tensor(p + off, V)), packed(t))
+
+    def zero_vector(t):
+        if cutlass.const_expr(words):
+            packed(t).fill(0)
+        else:
+            t.fill(0.0)
+
+    def store_vector(t, p, off):
+        """The V at p + off = fragment t."""
+        cute.autovec_copy(packed(t), packed(cute.make_tensor(p + off, V)))
+
+    def element(t, i):
+        """Element i of fragment t in fp32. bf16 words unpack by bit operations (a bf16 is
+        the top half of its fp32), so no 16-bit register exists to be merged early."""
+        if cutlass.const_expr(words and g.dtype is cutlass.BFloat16):
+            word = packed(t)[i // 2]
+            bits = cute.make_rmem_tensor((1,), Int32)
+            bits[0] = word << 16 if i % 2 == 0 else word & Int32(-65536)
+            return cute.recast_tensor(bits, Float32)[0]
+        return Float32(t[i])
+
     @cute.jit
     def gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q, start, tok0, slot, cv):
         """Loads of block q's window, no arithmetic (so all are in flight at once). Entries
@@ -91,17 +124,16 @@ def _build(key: KernelKey):
             if pos >= start:
                 off = cute.assume(token_offset(tok0 + (pos - start), cv) + col,
                                   divby=V)
-                cute.autovec_copy(cute.make_tensor(p_kv + off, V), rKV[None, k])
-                cute.autovec_copy(cute.make_tensor(p_score + off, V), rSc[None, k])
+                load_vector(p_kv, off, rKV[None, k])
+                load_vector(p_score, off, rSc[None, k])
             elif pos >= 0:
                 e = cutlass.max(cutlass.min(pos - st0, Int32(W - 1)), Int32(0))
                 off = cute.assume(slot_base + e * row_elems + col, divby=V)
-                cute.autovec_copy(cute.make_tensor(p_kvs + off, V), rKV[None, k])
+                load_vector(p_kvs, off, rKV[None, k])
                 cute.autovec_copy(cute.make_tensor(p_ss + off, V), rL[None, k])
             else:
-                for i in cutlass.range_constexpr(V):
-                    rKV[i, k] = g.dtype(0.0)
-                    rL[i, k] = Float32(0.0)
+                zero_vector(rKV[None, k])
+                rL[None, k].fill(0.0)
 
     def window_registers():
         """(kv, new tokens' scores, logits) of one window, gather's destinations."""
@@ -115,7 +147,7 @@ def _build(key: KernelKey):
         for k in cutlass.range_constexpr(W):
             if win0 + k >= start:
                 for i in cutlass.range_constexpr(V):
-                    rL[i, k] = cm.add_rn(Float32(rSc[i, k]), sApe[k, cvl * V + i])
+                    rL[i, k] = cm.add_rn(element(rSc[None, k], i), sApe[k, cvl * V + i])
 
     def batch_views(p_cu, p_starts, p_slots, p_cuc, num_reqs):
         """cu_seqlens, start_pos, slots and cu_seqlens_comp as tensors (num_reqs + 1 long:
@@ -156,13 +188,15 @@ def _build(key: KernelKey):
         first = q == 0
         rO = cute.make_rmem_tensor((V,), g.dtype)
         for i in cutlass.range_constexpr(V):
+            column = (lambda k, i=i: Float32(rL[i, k]), lambda k, i=i: element(rKV[None, k], i),
+                      first)
             if cutlass.const_expr(g.fast_exp):
-                res, certified = _column_fast(g, rL, rKV, i, first)
+                res, certified = _column_fast(g, *column)
                 if not certified:  # rare: a cancelling column, NaN or infinity
-                    res = _column_exact(g, rL, rKV, i, first)
+                    res = _column_exact(g, *column)
                 rO[i] = g.dtype(res)
             else:
-                rO[i] = g.dtype(_column_exact(g, rL, rKV, i, first))
+                rO[i] = g.dtype(_column_exact(g, *column))
         store_row(p_out, rO, n, cv)
 
     @cute.jit
@@ -274,14 +308,14 @@ def _build(key: KernelKey):
         tok = token_offset(tok0, cv)
         for h in cutlass.range_constexpr(C):
             off = cute.assume(tok + h * D, divby=V)
-            cute.autovec_copy(cute.make_tensor(p_kv + off, V), rNK[None, h])
-            cute.autovec_copy(cute.make_tensor(p_score + off, V), rNS[None, h])
+            load_vector(p_kv, off, rNK[None, h])
+            load_vector(p_score, off, rNS[None, h])
         if cutlass.const_expr(moved > 0):  # noqa: SIM102 (compile-time, then run-time test)
             if heads > 0:  # entry R + e holds the completed block's position e
                 slot_base = slot_offset(slot, cv)
                 for e in cutlass.range_constexpr(moved):
                     off = cute.assume(slot_base + (R + e) * row_elems, divby=V)
-                    cute.autovec_copy(cute.make_tensor(p_kvs + off, V), rMK[None, e])
+                    load_vector(p_kvs, off, rMK[None, e])
                     cute.autovec_copy(cute.make_tensor(p_ss + off, V), rML[None, e])
 
     @cute.jit
@@ -297,18 +331,19 @@ def _build(key: KernelKey):
             for h in cutlass.range_constexpr(C):
                 rF = cute.make_rmem_tensor((V,), Float32)
                 for i in cutlass.range_constexpr(V):
-                    rF[i] = cm.add_rn(Float32(rNS[i, h]), sApe[h * R + e_new % R, cvl * V + i])
+                    rF[i] = cm.add_rn(element(rNS[None, h], i),
+                                      sApe[h * R + e_new % R, cvl * V + i])
                 off = cute.assume(slot_base + e_new * row_elems + h * D, divby=V)
-                cute.autovec_copy(rNK[None, h], cute.make_tensor(p_kvs + off, V))
+                store_vector(rNK[None, h], p_kvs, off)
                 cute.autovec_copy(rF, cute.make_tensor(p_ss + off, V))
         if cutlass.const_expr(moved > 0):  # noqa: SIM102 (compile-time, then run-time test)
             if heads > 0:
                 for e in cutlass.range_constexpr(moved):
                     off = cute.assume(slot_base + e * row_elems, divby=V)
-                    cute.autovec_copy(rMK[None, e], cute.make_tensor(p_kvs + off, V))
+                    store_vector(rMK[None, e], p_kvs, off)
                     cute.autovec_copy(rML[None, e], cute.make_tensor(p_ss + off, V))
                     off = cute.assume(off + D, divby=V)
-                    cute.autovec_copy(rKV[None, R + e], cute.make_tensor(p_kvs + off, V))
+                    store_vector(rKV[None, R + e], p_kvs, off)
                     cute.autovec_copy(rL[None, R + e], cute.make_tensor(p_ss + off, V))
 
     def later_rows(base, rows, num_rows):
