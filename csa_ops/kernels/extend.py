@@ -376,6 +376,20 @@ def _build(key: KernelKey):
         for n in cutlass.range(lo, hi, step):
             zero_row(p_out, n, cv)
 
+    @cute.jit
+    def place_request(cuc, sReq, sBase, b, first, rows_b, item0, row_lo, row_hi, num_reqs, bid):
+        """Request b's first row `first`: its offset in cu_seqlens_comp (by one CTA), its own
+        item's base and its rows' request and base for the CTA's row items it covers."""
+        if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
+            if bid == 0:
+                cuc[b] = first
+        if b >= item0 and b < item0 + g.rpc:
+            sBase[b - item0] = first
+        for n in cutlass.range(cutlass.max(first, row_lo),
+                               cutlass.min(requests.add_rows(first, rows_b), row_hi)):
+            sReq[n + num_reqs - item0] = b
+            sBase[n + num_reqs - item0] = first
+
     @cute.kernel
     def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
                num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32):
@@ -473,18 +487,10 @@ def _build(key: KernelKey):
             # CTA's row items it covers (at most rpc iterations per CTA in all).
             row_lo = cutlass.max(item0 - num_reqs, Int32(0))
             row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
-            for b in cutlass.range(b_lo, b_hi):
-                rows_b = batch.count(starts[b], cu[b + 1] - cu[b])
-                if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
-                    if bid == 0:
-                        cuc[b] = running
-                if b >= item0 and b < item0 + g.rpc:
-                    sBase[b - item0] = running
-                for n in cutlass.range(cutlass.max(running, row_lo),
-                                       cutlass.min(requests.add_rows(running, rows_b), row_hi)):
-                    sReq[n + num_reqs - item0] = b
-                    sBase[n + num_reqs - item0] = running
-                running = requests.add_rows(running, rows_b)
+            batch.place(cu, starts, num_reqs, b_lo, b_hi, running, held,
+                        lambda b, first, rows_b: place_request(
+                            cuc, sReq, sBase, b, first, rows_b, item0, row_lo, row_hi,
+                            num_reqs, bid))
             if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
                 if bid == 0 and tid == 0:
                     cuc[num_reqs] = total

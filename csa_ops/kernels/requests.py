@@ -112,10 +112,13 @@ class Batch:
                 held[1, i] = cu[b]
                 held[2, i] = cu[b + 1]
 
+    def held_count(self, held, i):
+        """The rows of load_counts' request i."""
+        return self.count(held[0, i], held[2, i] - held[1, i])
+
     def held_rows(self, held, i, real):
         """The rows of load_counts' request i, 0 unless `real`."""
-        rows = self.count(held[0, i], held[2, i] - held[1, i])
-        return cutlass.select_(real, rows, Int32(0))
+        return cutlass.select_(real, self.held_count(held, i), Int32(0))
 
     @cute.jit
     def scan(self, cu, starts, num_reqs, tid, sWarp, held):
@@ -144,6 +147,34 @@ class Batch:
                 before = before + part
             total = total + part
         return b_lo, b_hi, saturated(before), saturated(total)
+
+    @cute.jit
+    def place(self, cu, starts, num_reqs, b_lo, b_hi, running, held, visit):
+        """visit(b, first row, rows) for each request b of the run scan returned ([b_lo,
+        b_hi), its first row `running`), in order; the rows saturate as scan's do. A run of
+        one chunk finds its counts' inputs in `held`, where scan left them; a longer one
+        loads them again, a chunk per round trip."""
+        reload = b_hi - b_lo > COUNTS_AHEAD
+        for b0 in cutlass.range(b_lo, b_hi, COUNTS_AHEAD, unroll=1):
+            if reload:
+                self.load_counts(held, cu, starts, num_reqs, b0, 1)
+            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+                if b0 + i < b_hi:
+                    rows = self.held_count(held, i)
+                    visit(b0 + i, running, rows)
+                    running = add_rows(running, rows)
+
+    @cute.jit
+    def strided(self, cu, starts, num_reqs, tid, held, visit):
+        """visit(b, rows) for the requests b = tid, tid + threads, ... of the batch, a chunk
+        per round trip (`held`: the first chunk, strided_counts'); b may pass the batch,
+        with rows 0."""
+        for b0 in cutlass.range(tid, num_reqs, COUNTS_AHEAD * self.nt, unroll=1):
+            if b0 != tid:
+                self.load_counts(held, cu, starts, num_reqs, b0, self.nt)
+            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+                b = b0 + i * self.nt
+                visit(b, self.held_rows(held, i, b < num_reqs))
 
     @cute.jit
     def hold_in_lanes(self, cu, starts, slots, b_count, num_tokens, num_slots, lane):
@@ -188,19 +219,11 @@ class Batch:
         request could pass INT32_MAX the CTA sums again, saturating. (Decode steps call this:
         int64 sums throughout took an H200 d512 r4c2 step of 1024 requests 15.45 us against
         14.58, graph replay.)"""
-        below = Int32(0)
-        total = Int32(0)
-        largest = Int32(0)
-        chunk = COUNTS_AHEAD * self.nt
-        for b0 in cutlass.range(tid, num_reqs, chunk, unroll=1):
-            if b0 != tid:
-                self.load_counts(held, cu, starts, num_reqs, b0, self.nt)
-            for i in cutlass.range_constexpr(COUNTS_AHEAD):
-                b = b0 + i * self.nt
-                rows = self.held_rows(held, i, b < num_reqs)
-                total = total + rows
-                largest = cutlass.max(largest, rows)
-                below = below + cutlass.select_(b < limit, rows, Int32(0))
+        sums = cute.make_rmem_tensor((3,), Int32)  # below, total, largest
+        sums.fill(0)
+        self.strided(cu, starts, num_reqs, tid, held,
+                     lambda b, rows: _add_rows_below(sums, b, rows, limit))
+        below, total, largest = sums[0], sums[1], sums[2]
         could_pass = Int64(largest) * Int64(num_reqs) > Int64(INT32_MAX)
         below = cute.arch.warp_redux_sync(below, "add")
         total = cute.arch.warp_redux_sync(total, "add")
@@ -224,15 +247,12 @@ class Batch:
     def _saturated_row_sums(self, cu, starts, num_reqs, limit, tid, sWarp):
         """row_sums in int64, saturating once per sum (the reductions' high and low bits
         apart: redux.sync adds in int32)."""
-        below = Int64(0)
-        total = Int64(0)
-        for b in cutlass.range(tid, num_reqs, self.nt, unroll=1):
-            rows = Int64(self.count(starts[b], cu[b + 1] - cu[b]))
-            total = total + rows
-            if b < limit:
-                below = below + rows
-        self._share_warp_sums(sWarp, tid, warp_row_sum(saturated(below)),
-                              warp_row_sum(saturated(total)))
+        sums = cute.make_rmem_tensor((3,), Int64)  # below, total, largest (unused)
+        sums.fill(0)
+        self.strided(cu, starts, num_reqs, tid, self.strided_counts(cu, starts, num_reqs, tid),
+                     lambda b, rows: _add_rows_below(sums, b, Int64(rows), limit))
+        self._share_warp_sums(sWarp, tid, warp_row_sum(saturated(sums[0])),
+                              warp_row_sum(saturated(sums[1])))
         below = Int64(0)
         total = Int64(0)
         for w in cutlass.range_constexpr(self.warps):
@@ -247,6 +267,13 @@ class Batch:
             sWarp[tid // 32] = below
             sWarp[self.warps + tid // 32] = total
         cute.arch.sync_threads()
+
+
+def _add_rows_below(sums, b, rows, limit):
+    """Batch.row_sums' accumulation of request b's rows: sums (below limit, total, largest)."""
+    sums[0] = sums[0] + cutlass.select_(b < limit, rows, sums.element_type(0))
+    sums[1] = sums[1] + rows
+    sums[2] = cutlass.max(sums[2], rows)
 
 
 @cute.jit

@@ -995,13 +995,34 @@ class _StreamingExtend(_Streaming):
                 if cb * CV + u % CV < self.ncv:
                     self._store_initial(gKVs, gSs, slot * W + e, gc)
 
+    @cute.jit
+    def _place_item(self, sItem, sBase, mCuc, b, first, rows_b, rg, groups, ni, num_reqs,
+                    num_rows, bid):
+        """Request b's first row `first`: its offset in cu_seqlens_comp (by one CTA), its own
+        item's base and, for the CTA's row items it covers, its request (ITEM_DONE for its
+        head rows, which its own item pools) and base."""
+        if bid == 0:
+            mCuc[b] = first
+        if b >= rg and (b - rg) % groups == 0 and (b - rg) // groups < ni:
+            sBase[(b - rg) // groups] = first
+        if const_expr(self.has_rows):
+            n0, hi = self._rows_here(first, rows_b, rg - num_reqs, groups, num_rows)
+            heads = requests.head_rows(rows_b, self.co)
+            for n in cutlass.range(n0, hi, groups, unroll=1):
+                j = (num_reqs + n - rg) // groups
+                if j < ni:
+                    sItem[j] = b
+                    if n - first < heads:
+                        sItem[j] = ITEM_DONE
+                    sBase[j] = first
+
     @cute.kernel
     def extend_kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor,
                       mCu: cute.Tensor, mStart: cute.Tensor, mSlots: cute.Tensor,
                       gKVs: cute.Tensor, gSs: cute.Tensor, gOut: cute.Tensor, mCuc: cute.Tensor,
                       num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32,
                       groups: Int32):
-        CV, C = self.cv, self.co
+        CV = self.cv
         cm.await_upstream(self.pdl)
         tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
 
@@ -1040,23 +1061,10 @@ class _StreamingExtend(_Streaming):
                                       num_tokens, num_slots)
         # The scan's barrier publishes sItem before the placement below overwrites any.
         b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
-        for b in cutlass.range(b_lo, b_hi, unroll=1):
-            rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
-            if bid == 0:
-                mCuc[b] = running
-            if b >= rg and (b - rg) % groups == 0 and (b - rg) // groups < ni:
-                sBase[(b - rg) // groups] = running
-            if const_expr(self.has_rows):
-                n0, hi = self._rows_here(running, rows_b, rg - num_reqs, groups, num_rows)
-                heads = requests.head_rows(rows_b, C)
-                for n in cutlass.range(n0, hi, groups, unroll=1):
-                    j = (num_reqs + n - rg) // groups
-                    if j < ni:
-                        sItem[j] = b
-                        if n - running < heads:
-                            sItem[j] = ITEM_DONE
-                        sBase[j] = running
-            running = requests.add_rows(running, rows_b)
+        self.batch.place(mCu, mStart, num_reqs, b_lo, b_hi, running, held,
+                         lambda b, first, rows_b: self._place_item(
+                             sItem, sBase, mCuc, b, first, rows_b, rg, groups, ni, num_reqs,
+                             num_rows, bid))
         if bid == 0 and tid == 0:
             mCuc[num_reqs] = total
         cute.arch.barrier()
@@ -1138,21 +1146,26 @@ class _StreamingExtend(_Streaming):
             sFl[j] = Int32(0)  # zeros, unless a request holds the row
         # The scan's barrier publishes sFl before the placement below overwrites any.
         b_lo, b_hi, running, _ = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
-        for b in cutlass.range(b_lo, b_hi, unroll=1):
-            rows_b = self.batch.count(mStart[b], mCu[b + 1] - mCu[b])
-            n0, hi = self._rows_here(running, rows_b, rg, groups, num_rows)
-            if n0 < hi:
-                ok, tok0, start, _, _, _ = self.batch.request(mCu, mStart, mSlots, b,
-                                                              num_tokens, num_slots)
-                for n in cutlass.range(n0, hi, groups, unroll=1):
-                    j = (n - rg) // groups
-                    if j < nr:
-                        t0, fl = self._later_row(n - running, rows_b, ok, tok0, start,
-                                                 num_tokens)
-                        sT0[j] = t0
-                        sFl[j] = fl
-            running = requests.add_rows(running, rows_b)
+        self.batch.place(mCu, mStart, num_reqs, b_lo, b_hi, running, held,
+                         lambda b, first, rows_b: self._place_rows(
+                             sT0, sFl, b, first, rows_b, rg, groups, nr, mCu, mStart, mSlots,
+                             num_tokens, num_rows, num_slots))
         return nr
+
+    @cute.jit
+    def _place_rows(self, sT0, sFl, b, first, rows_b, rg, groups, nr, mCu, mStart, mSlots,
+                    num_tokens, num_rows, num_slots):
+        """Request b's rows (from `first`) that are the CTA's, in its row table."""
+        n0, hi = self._rows_here(first, rows_b, rg, groups, num_rows)
+        if n0 < hi:
+            ok, tok0, start, _, _, _ = self.batch.request(mCu, mStart, mSlots, b, num_tokens,
+                                                          num_slots)
+            for n in cutlass.range(n0, hi, groups, unroll=1):
+                j = (n - rg) // groups
+                if j < nr:
+                    t0, fl = self._later_row(n - first, rows_b, ok, tok0, start, num_tokens)
+                    sT0[j] = t0
+                    sFl[j] = fl
 
     @cute.jit
     def _place_by_lanes(self, sRow, sT0, sFl, rg, groups, mCu, mStart, mSlots, num_tokens,
