@@ -101,7 +101,8 @@ def _build(key: KernelKey):
 
     def element(t, i):
         """Element i of fragment t in fp32. bf16 words unpack by bit operations (a bf16 is
-        the top half of its fp32), so no 16-bit register exists to be merged early."""
+        the top half of its fp32), so no 16-bit register exists to be merged early; an fp16
+        converts from a 16-bit register, which the compiler still unpacks at the merge."""
         if cutlass.const_expr(words and g.dtype is cutlass.BFloat16):
             word = packed(t)[i // 2]
             bits = cute.make_rmem_tensor((1,), Int32)
