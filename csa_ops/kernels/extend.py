@@ -76,21 +76,21 @@ def _build(key: KernelKey):
             return k * D
         return (k % R) * (2 * D) + (k // R) * D
 
-    # A register fragment of V elements as 32-bit words where it fills whole words (2-byte
-    # types, V even): loaded and merged across branches as words, its elements unpack where
-    # they are read. As 16-bit registers every branch's merge unpacks them, and those
-    # unpacks, placed before the row sums' barrier, made the barrier wait for the loads.
-    words = V * g.dtype.width // 32 if (V * g.dtype.width) % 32 == 0 else 0
+    # A register fragment of V elements as 32-bit words where it fills whole words (fp32,
+    # or 2-byte types with V even): loaded and merged across branches as words, its elements
+    # unpack where they are read. As 16-bit registers every branch's merge unpacks them, and
+    # those unpacks, placed before the row sums' barrier, made the barrier wait for the loads.
+    as_words = (V * g.dtype.width) % 32 == 0
 
     def packed(t):
-        return cute.recast_tensor(t, Int32) if cutlass.const_expr(words) else t
+        return cute.recast_tensor(t, Int32) if cutlass.const_expr(as_words) else t
 
     def load_vector(p, off, t):
         """t (a fragment of V elements of the kernel's type) = the V at p + off."""
         cute.autovec_copy(packed(cute.make_tensor(p + off, V)), packed(t))
 
     def zero_vector(t):
-        if cutlass.const_expr(words):
+        if cutlass.const_expr(as_words):
             packed(t).fill(0)
         else:
             t.fill(0.0)
@@ -103,7 +103,7 @@ def _build(key: KernelKey):
         """Element i of fragment t in fp32. bf16 words unpack by bit operations (a bf16 is
         the top half of its fp32), so no 16-bit register exists to be merged early; an fp16
         converts from a 16-bit register, which the compiler still unpacks at the merge."""
-        if cutlass.const_expr(words and g.dtype is cutlass.BFloat16):
+        if cutlass.const_expr(as_words and g.dtype is cutlass.BFloat16):
             word = packed(t)[i // 2]
             bits = cute.make_rmem_tensor((1,), Int32)
             bits[0] = word << 16 if i % 2 == 0 else word & Int32(-65536)
@@ -378,18 +378,20 @@ def _build(key: KernelKey):
             zero_row(p_out, n, cv)
 
     @cute.jit
-    def place_request(cuc, sReq, sBase, b, first, rows_b, item0, row_lo, row_hi, num_reqs, bid):
-        """Request b's first row `first`: its offset in cu_seqlens_comp (by one CTA), its own
-        item's base and its rows' request and base for the CTA's row items it covers."""
+    def place_request(cuc, sReq, sBase, b, first_row, rows_b, item0, row_lo, row_hi, num_reqs,
+                      bid):
+        """Request b, whose rows start at first_row: its offset in cu_seqlens_comp (by one
+        CTA), its own item's base and its rows' request and base for the CTA's row items it
+        covers."""
         if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
             if bid == 0:
-                cuc[b] = first
+                cuc[b] = first_row
         if b >= item0 and b < item0 + g.rpc:
-            sBase[b - item0] = first
-        for n in cutlass.range(cutlass.max(first, row_lo),
-                               cutlass.min(requests.add_rows(first, rows_b), row_hi)):
+            sBase[b - item0] = first_row
+        for n in cutlass.range(cutlass.max(first_row, row_lo),
+                               cutlass.min(requests.add_rows(first_row, rows_b), row_hi)):
             sReq[n + num_reqs - item0] = b
-            sBase[n + num_reqs - item0] = first
+            sBase[n + num_reqs - item0] = first_row
 
     @cute.kernel
     def kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_out, p_cuc,
@@ -489,8 +491,8 @@ def _build(key: KernelKey):
             row_lo = cutlass.max(item0 - num_reqs, Int32(0))
             row_hi = cutlass.min(item0 + g.rpc - num_reqs, num_rows)
             batch.place(cu, starts, num_reqs, b_lo, b_hi, running, held,
-                        lambda b, first, rows_b: place_request(
-                            cuc, sReq, sBase, b, first, rows_b, item0, row_lo, row_hi,
+                        lambda b, first_row, rows_b: place_request(
+                            cuc, sReq, sBase, b, first_row, rows_b, item0, row_lo, row_hi,
                             num_reqs, bid))
             if cutlass.const_expr(has_rows):  # noqa: SIM102 (compile-time, then run-time)
                 if bid == 0 and tid == 0:

@@ -86,7 +86,8 @@ class Batch:
         return cute.make_rmem_tensor((3, COUNTS_AHEAD), Int32)
 
     def run_counts(self, cu, starts, num_reqs, tid):
-        """load_counts of the first requests of thread tid's run: scan's `held`."""
+        """load_counts of the first requests of thread tid's run: scan's and place's
+        `held`."""
         held = self.counts()
         self.load_counts(held, cu, starts, num_reqs, self.run_of(num_reqs, tid)[0], 1)
         return held
@@ -126,7 +127,8 @@ class Batch:
         """(b_lo, b_hi, running, total): thread tid's run of requests [b_lo, b_hi)
         (run_of), the first row of that run and the batch's row count (saturating,
         add_rows). `held`: load_counts of the run's first requests (stride 1), issued
-        early. Ends with a CTA barrier; sWarp holds one int32 per warp."""
+        early; a run of at most one chunk leaves them there, for `place`. Ends with a CTA
+        barrier; sWarp holds one int32 per warp."""
         b_lo, b_hi = self.run_of(num_reqs, tid)
         local = Int64(0)
         for b0 in cutlass.range(b_lo, b_hi, COUNTS_AHEAD, unroll=1):
@@ -223,7 +225,7 @@ class Batch:
         sums = cute.make_rmem_tensor((3,), Int32)  # below, total, largest
         sums.fill(0)
         self.strided(cu, starts, num_reqs, tid, held,
-                     lambda b, rows: _add_rows_below(sums, b, rows, limit))
+                     lambda b, rows: _add_row_sums(sums, b, rows, limit))
         below, total, largest = sums[0], sums[1], sums[2]
         could_pass = Int64(largest) * Int64(num_reqs) > Int64(INT32_MAX)
         below = cute.arch.warp_redux_sync(below, "add")
@@ -248,10 +250,10 @@ class Batch:
     def _saturated_row_sums(self, cu, starts, num_reqs, limit, tid, sWarp):
         """row_sums in int64, saturating once per sum (the reductions' high and low bits
         apart: redux.sync adds in int32)."""
-        sums = cute.make_rmem_tensor((3,), Int64)  # below, total, largest (unused)
+        sums = cute.make_rmem_tensor((3,), Int64)  # below, total, largest (unused here)
         sums.fill(0)
         self.strided(cu, starts, num_reqs, tid, self.strided_counts(cu, starts, num_reqs, tid),
-                     lambda b, rows: _add_rows_below(sums, b, Int64(rows), limit))
+                     lambda b, rows: _add_row_sums(sums, b, Int64(rows), limit))
         self._share_warp_sums(sWarp, tid, warp_row_sum(saturated(sums[0])),
                               warp_row_sum(saturated(sums[1])))
         below = Int64(0)
@@ -270,8 +272,9 @@ class Batch:
         cute.arch.sync_threads()
 
 
-def _add_rows_below(sums, b, rows, limit):
-    """Batch.row_sums' accumulation of request b's rows: sums (below limit, total, largest)."""
+def _add_row_sums(sums, b, rows, limit):
+    """Batch.row_sums' accumulation of request b's rows into `sums`: the rows of requests
+    below limit, of all requests, and the largest count."""
     sums[0] = sums[0] + cutlass.select_(b < limit, rows, sums.element_type(0))
     sums[1] = sums[1] + rows
     sums[2] = cutlass.max(sums[2], rows)

@@ -864,14 +864,14 @@ class _StreamingExtend(_Streaming):
                   lane, cvw, wp, cb, True, sLg)
         cute.arch.barrier()  # the tile is free for the next row
 
-    def _rows_here(self, running, rows_b, row0, groups, num_rows):
-        """(n0, hi): a request's output rows [running, running + rows_b) that are this CTA's,
-        whose rows are row0, row0 + groups, ... (row0 may be negative), are n0, n0 + groups,
-        ... below hi. lo is clamped to num_rows: a running count saturated at INT32_MAX
+    def _rows_here(self, first_row, rows_b, row0, groups, num_rows):
+        """(n0, hi): a request's output rows [first_row, first_row + rows_b) that are this
+        CTA's, whose rows are row0, row0 + groups, ... (row0 may be negative), are n0, n0 +
+        groups, ... below hi. lo is clamped to num_rows: a first row saturated at INT32_MAX
         (adversarial cu_seqlens) must not overflow n0 into a negative row."""
-        lo = cutlass.min(running, num_rows)
+        lo = cutlass.min(first_row, num_rows)
         n0 = lo + ((row0 - lo) % groups + groups) % groups
-        return n0, cutlass.min(requests.add_rows(running, rows_b), num_rows)
+        return n0, cutlass.min(requests.add_rows(first_row, rows_b), num_rows)
 
     @cute.jit
     def _list_pending(self, sItem, sList, sCount, ni, rg, groups, num_reqs, tid):
@@ -996,25 +996,25 @@ class _StreamingExtend(_Streaming):
                     self._store_initial(gKVs, gSs, slot * W + e, gc)
 
     @cute.jit
-    def _place_item(self, sItem, sBase, mCuc, b, first, rows_b, rg, groups, ni, num_reqs,
+    def _place_item(self, sItem, sBase, mCuc, b, first_row, rows_b, rg, groups, ni, num_reqs,
                     num_rows, bid):
-        """Request b's first row `first`: its offset in cu_seqlens_comp (by one CTA), its own
-        item's base and, for the CTA's row items it covers, its request (ITEM_DONE for its
-        head rows, which its own item pools) and base."""
+        """Request b, whose rows start at first_row: its offset in cu_seqlens_comp (by one
+        CTA), its own item's base and, for the CTA's row items it covers, its request
+        (ITEM_DONE for its head rows, which its own item pools) and base."""
         if bid == 0:
-            mCuc[b] = first
+            mCuc[b] = first_row
         if b >= rg and (b - rg) % groups == 0 and (b - rg) // groups < ni:
-            sBase[(b - rg) // groups] = first
+            sBase[(b - rg) // groups] = first_row
         if const_expr(self.has_rows):
-            n0, hi = self._rows_here(first, rows_b, rg - num_reqs, groups, num_rows)
+            n0, hi = self._rows_here(first_row, rows_b, rg - num_reqs, groups, num_rows)
             heads = requests.head_rows(rows_b, self.co)
             for n in cutlass.range(n0, hi, groups, unroll=1):
                 j = (num_reqs + n - rg) // groups
                 if j < ni:
                     sItem[j] = b
-                    if n - first < heads:
+                    if n - first_row < heads:
                         sItem[j] = ITEM_DONE
-                    sBase[j] = first
+                    sBase[j] = first_row
 
     @cute.kernel
     def extend_kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor,
@@ -1062,9 +1062,9 @@ class _StreamingExtend(_Streaming):
         # The scan's barrier publishes sItem before the placement below overwrites any.
         b_lo, b_hi, running, total = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
         self.batch.place(mCu, mStart, num_reqs, b_lo, b_hi, running, held,
-                         lambda b, first, rows_b: self._place_item(
-                             sItem, sBase, mCuc, b, first, rows_b, rg, groups, ni, num_reqs,
-                             num_rows, bid))
+                         lambda b, first_row, rows_b: self._place_item(
+                             sItem, sBase, mCuc, b, first_row, rows_b, rg, groups, ni,
+                             num_reqs, num_rows, bid))
         if bid == 0 and tid == 0:
             mCuc[num_reqs] = total
         cute.arch.barrier()
@@ -1147,23 +1147,23 @@ class _StreamingExtend(_Streaming):
         # The scan's barrier publishes sFl before the placement below overwrites any.
         b_lo, b_hi, running, _ = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
         self.batch.place(mCu, mStart, num_reqs, b_lo, b_hi, running, held,
-                         lambda b, first, rows_b: self._place_rows(
-                             sT0, sFl, b, first, rows_b, rg, groups, nr, mCu, mStart, mSlots,
-                             num_tokens, num_rows, num_slots))
+                         lambda b, first_row, rows_b: self._place_rows(
+                             sT0, sFl, b, first_row, rows_b, rg, groups, nr, mCu, mStart,
+                             mSlots, num_tokens, num_rows, num_slots))
         return nr
 
     @cute.jit
-    def _place_rows(self, sT0, sFl, b, first, rows_b, rg, groups, nr, mCu, mStart, mSlots,
+    def _place_rows(self, sT0, sFl, b, first_row, rows_b, rg, groups, nr, mCu, mStart, mSlots,
                     num_tokens, num_rows, num_slots):
-        """Request b's rows (from `first`) that are the CTA's, in its row table."""
-        n0, hi = self._rows_here(first, rows_b, rg, groups, num_rows)
+        """Request b's rows (from first_row) that are the CTA's, in its row table."""
+        n0, hi = self._rows_here(first_row, rows_b, rg, groups, num_rows)
         if n0 < hi:
             ok, tok0, start, _, _, _ = self.batch.request(mCu, mStart, mSlots, b, num_tokens,
                                                           num_slots)
             for n in cutlass.range(n0, hi, groups, unroll=1):
                 j = (n - rg) // groups
                 if j < nr:
-                    t0, fl = self._later_row(n - first, rows_b, ok, tok0, start, num_tokens)
+                    t0, fl = self._later_row(n - first_row, rows_b, ok, tok0, start, num_tokens)
                     sT0[j] = t0
                     sFl[j] = fl
 
