@@ -78,8 +78,8 @@ def _build(key: KernelKey):
 
     # A register fragment of V elements as 32-bit words where it fills whole words (fp32,
     # or 2-byte types with V even): loaded and merged across branches as words, its elements
-    # unpack where they are read. As 16-bit registers every branch's merge unpacks them, and
-    # those unpacks, placed before the row sums' barrier, made the barrier wait for the loads.
+    # unpack where they are read. As 16-bit registers every branch's merge would unpack them,
+    # before the row sums' barrier, and the barrier would wait for the loads.
     as_words = (V * g.dtype.width) % 32 == 0
 
     def packed(t):
