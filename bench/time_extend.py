@@ -49,6 +49,7 @@ def parse_args(argv=None):
                    help="decode requests batched ahead of one prefill request of the first "
                         "--prefill-tokens (list; prefill cases)")
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--dtype", choices=sorted(bench_serving._DTYPES), default="bf16")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("time_extend.py needs a CUDA device")
@@ -154,9 +155,10 @@ def variant_keys(variants: list[str], forward) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    serving = bench_serving.parse_args(["--no-compile"])
+    serving = bench_serving.parse_args(["--no-compile", "--dtype", args.dtype])
     head_dim, ratio, coff, _ = bench_serving._config(serving, args.config)
-    forward = host.select_key(ratio, coff, head_dim, "bfloat16", "sm_90a", False)
+    dtype = str(serving.dtype).removeprefix("torch.")
+    forward = host.select_key(ratio, coff, head_dim, dtype, "sm_90a", False)
     keys = variant_keys(args.variants, forward)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = []

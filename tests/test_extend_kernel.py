@@ -111,20 +111,23 @@ def test_preloaded_decode_updates_add_only_the_token_logits(cfg):
     assert "ld.local" not in with_preload and "st.local" not in with_preload
 
 
-def test_decode_step_reads_no_window_register_before_its_row_sums():
-    # The bf16 step's window, token and moved entries load as 32-bit words and unpack by bit
-    # operations where read, so no 16-bit register is unpacked (mov.b32 {%rs, %rs}) where
-    # the gather's branches merge, before the row sums' barrier: such an unpack waits for
-    # the window's DRAM round trip and makes the barrier wait with it (bench/README,
-    # "Window registers as 32-bit words"). fp16 elements still convert through a 16-bit
-    # register, which the compiler unpacks at the merge.
-    step = extend_plan.for_size(extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a"),
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_step_reads_no_window_register_before_its_row_sums(dtype):
+    # The step's window, token and moved entries load as 32-bit words and each 16-bit
+    # element leaves its word where it is read (a bf16 by bit operations, an fp16 truncated
+    # then converted), so no 16-bit register is unpacked (mov.b32 {%rs, %rs}, cvt.u16.u32)
+    # where the gather's branches merge, before the row sums' barrier: such an unpack waits
+    # for the window's DRAM round trip and makes the barrier wait with it (bench/README,
+    # "Window registers as 32-bit words").
+    step = extend_plan.for_size(extend_plan.configure(4, 2, 512, dtype, "sm_90a"),
                                 extend_plan.STEP)
     assert step.knobs.request_rows and step.knobs.vec == 2
     ptx = host.ptx("ext", step)
     before_barrier = ptx[:ptx.index("bar.sync")]
     assert "ld.global" in before_barrier  # the window's loads are issued before it
-    assert not re.findall(r"mov\.b32\s+\{%rs", before_barrier)
+    assert not re.findall(r"mov\.b32\s+\{%rs|cvt\.u16\.u32", before_barrier)
+    if dtype == "float16":  # its elements do convert, after the barrier
+        assert "cvt.f32.f16" in ptx[ptx.index("bar.sync"):]
 
 
 @pytest.mark.parametrize("cfg", [(128, 1, 512, "bfloat16"), (128, 2, 512, "bfloat16")],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-from cutlass import Float32, Int32, Int64, cute
+from cutlass import Float32, Int16, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
 from ..config import KernelKey
@@ -100,15 +100,20 @@ def _build(key: KernelKey):
         cute.autovec_copy(packed(t), packed(cute.make_tensor(p + off, V)))
 
     def element(t, i):
-        """Element i of fragment t in fp32. bf16 words unpack by bit operations (a bf16 is
-        the top half of its fp32), so no 16-bit register exists to be merged early; an fp16
-        converts from a 16-bit register, which the compiler still unpacks at the merge."""
-        if cutlass.const_expr(as_words and g.dtype is cutlass.BFloat16):
-            word = packed(t)[i // 2]
+        """Element i of fragment t in fp32, taken from its 32-bit word here, where it is
+        read: a bf16 by bit operations (it is the top half of its fp32), an fp16 by
+        converting the half it truncates to. No 16-bit register then exists where branches
+        merge, so none is unpacked there."""
+        if cutlass.const_expr(not as_words or g.dtype.width != 16):
+            return Float32(t[i])
+        word = packed(t)[i // 2]
+        if cutlass.const_expr(g.dtype is cutlass.BFloat16):
             bits = cute.make_rmem_tensor((1,), Int32)
             bits[0] = word << 16 if i % 2 == 0 else word & Int32(-65536)
             return cute.recast_tensor(bits, Float32)[0]
-        return Float32(t[i])
+        half = cute.make_rmem_tensor((1,), Int16)
+        half[0] = Int16(word if i % 2 == 0 else word >> 16)
+        return Float32(cute.recast_tensor(half, g.dtype)[0])
 
     @cute.jit
     def gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q, start, tok0, slot, cv):
