@@ -26,11 +26,32 @@ BWD_CONSTANTS = {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 7}
 
 
 @pytest.fixture(scope="module")
-def built_root(tmp_path_factory):
+def background_build(tmp_path_factory):
+    """The library built as a process's first use builds it: module() finds none, starts
+    one detached build and carries on without it. What that first use saw, for the test of
+    that path; the library, for the tests that load it (one build per test process, not
+    two: a build takes most of a minute)."""
     root = tmp_path_factory.mktemp("native-cache")
-    path = native.build(root)
-    assert path == native.library_path(root) and path.exists()
-    return root
+    path = native.library_path(root)
+    marker = path.with_suffix(".building")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CSA_OPS_CACHE_DIR", str(root))
+        patch.setattr(native, "_LOADED", [])
+        patch.setattr(native, "_BUILD_STARTED", [])
+        first_use = native.module()
+        marker_at_first_use = marker.exists()
+    deadline = time.monotonic() + 300
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert path.exists(), path.with_suffix(".log").read_text()
+    while marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the builder removes its marker after publishing
+    return {"root": root, "first_use": first_use, "marker_at_first_use": marker_at_first_use}
+
+
+@pytest.fixture(scope="module")
+def built_root(background_build):
+    return background_build["root"]
 
 
 @pytest.fixture
@@ -214,27 +235,20 @@ def test_a_corrupt_library_is_set_aside_with_a_warning(tmp_path, monkeypatch,
     assert native.module() is None  # decided once per process: no second attempt
 
 
-@pytest.mark.slow
-def test_a_missing_library_is_built_in_the_background(built_root, tmp_path, monkeypatch,
-                                                      fresh_module_state):
+def test_a_missing_library_is_built_in_the_background(background_build):
     """The first use starts one detached build and carries on without the library; the
     library it publishes loads in the next process."""
-    monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(tmp_path))
-    path = native.library_path(tmp_path)
-    assert native.module() is None
-    assert path.with_suffix(".building").exists()
-    deadline = time.monotonic() + 300
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert path.exists(), path.with_suffix(".log").read_text()
-    while path.with_suffix(".building").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)  # the builder removes its marker after publishing
+    root = background_build["root"]
+    path = native.library_path(root)
+    assert background_build["first_use"] is None
+    assert background_build["marker_at_first_use"]
+    assert path.exists()
     assert not path.with_suffix(".building").exists()
     assert not any(p.name.startswith(".build-") for p in path.parent.iterdir())
     loads = subprocess.run(
         [sys.executable, "-c", "from csa_ops import native; print(native.module() is not None)"],
-        env={**os.environ, "CSA_OPS_CACHE_DIR": str(tmp_path)}, capture_output=True,
-        text=True, check=True)
+        env={**os.environ, "CSA_OPS_CACHE_DIR": str(root)}, capture_output=True, text=True,
+        check=True)
     assert loads.stdout.strip() == "True"
     assert shutil.which("ninja")  # what cpp_extension builds with
 
