@@ -7,6 +7,7 @@ bitwise contract against the CUDA csa::compressor rests on it; tests/gpu checks 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -62,6 +63,10 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     assert host.cache_info()["misses"] == after["misses"]  # second call: a cache hit
 
 
+# PTX by (direction, key), generated once per test process: the audits below compare
+# several extend keys against the same forward key, and a key's PTX takes seconds.
+_ptx = functools.cache(host.ptx)
+
 _POOL_OPS = ("ex2.approx", "fma.rn.f32", "fma.rm.f32", r"\tmul.f32", r"\tadd.f32", "selp.f32",
              "mul.rn.f32", "div.rn.f32", "max.NaN.f32", "setp.ge.f32")
 
@@ -87,8 +92,8 @@ def test_rows_pool_with_the_forward_operations(cfg):
     assert parts[2] == with_knobs(forward, part=2, lane_requests=True)
     for key in extend_plan.keys(forward):
         sites = {0: forward.coff + 1, 1: forward.coff, 2: 1}[key.knobs.part]
-        ext = host.ptx("ext", key)
-        fwd = host.ptx("fwd", with_knobs(forward, vec=key.knobs.vec, threads=key.knobs.threads))
+        ext = _ptx("ext", key)
+        fwd = _ptx("fwd", with_knobs(forward, vec=key.knobs.vec, threads=key.knobs.threads))
         for op in _POOL_OPS:
             assert len(re.findall(op, ext)) == sites * len(re.findall(op, fwd)), (key, op)
         assert "ld.local" not in ext and "st.local" not in ext
@@ -108,8 +113,8 @@ def test_preloaded_decode_updates_add_only_the_token_logits(cfg):
     # new float operations are the token's logits, one add per coff-half and column.
     decode = extend_plan.for_size(extend_plan.configure(*cfg, "sm_90a"), 0)
     assert decode.knobs.preload_decode
-    with_preload = host.ptx("ext", decode)
-    without = host.ptx("ext", with_knobs(decode, preload_decode=0))
+    with_preload = _ptx("ext", decode)
+    without = _ptx("ext", with_knobs(decode, preload_decode=0))
     for op in _POOL_OPS:
         assert len(re.findall(op, with_preload)) == len(re.findall(op, without)), op
     extra = decode.coff * decode.knobs.vec
@@ -128,7 +133,7 @@ def test_decode_step_reads_no_window_register_before_its_row_sums(dtype):
     step = extend_plan.for_size(extend_plan.configure(4, 2, 512, dtype, "sm_90a"),
                                 extend_plan.STEP)
     assert step.knobs.request_rows and step.knobs.vec == 2
-    ptx = host.ptx("ext", step)
+    ptx = _ptx("ext", step)
     before_barrier = ptx[:ptx.index("bar.sync")]
     assert "ld.global" in before_barrier  # the window's loads are issued before it
     assert not re.findall(r"mov\.b32\s+\{%rs|cvt\.u16\.u32", before_barrier)
@@ -152,7 +157,7 @@ def test_streaming_rows_pool_with_the_forward_operations(cfg):
     ratio, coff, head_dim, dtype = cfg
     key = with_knobs(host.select_key(ratio, coff, head_dim, dtype, "sm_90a", False), parity=0)
     assert key.family == "streaming"
-    ext, fwd = host.ptx("ext", key), host.ptx("fwd", key)
+    ext, fwd = _ptx("ext", key), _ptx("fwd", key)
     for op in _POOL_OPS:
         if op != r"\tadd.f32":
             assert len(re.findall(op, ext)) == 2 * len(re.findall(op, fwd)), op
