@@ -29,15 +29,14 @@ BWD_CONSTANTS = {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 7}
 def background_build(tmp_path_factory):
     """The library built as a process's first use builds it: module() finds none, starts
     one detached build and carries on without it. What that first use saw, for the test of
-    that path; the library, for the tests that load it (one build per test process, not
-    two: a build takes most of a minute)."""
+    that path; the library, for the tests that load it (a build takes most of a minute: one
+    per test process serves both)."""
     root = tmp_path_factory.mktemp("native-cache")
     path = native.library_path(root)
     marker = path.with_suffix(".building")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CSA_OPS_CACHE_DIR", str(root))
-        patch.setattr(native, "_LOADED", [])
-        patch.setattr(native, "_BUILD_STARTED", [])
+        _undecided(patch)
         first_use = native.module()
         marker_at_first_use = marker.exists()
     deadline = time.monotonic() + 300
@@ -54,11 +53,15 @@ def built_root(background_build):
     return background_build["root"]
 
 
+def _undecided(patch: pytest.MonkeyPatch) -> None:
+    """A process that has not yet decided whether it has the library."""
+    patch.setattr(native, "_LOADED", [])
+    patch.setattr(native, "_BUILD_STARTED", [])
+
+
 @pytest.fixture
 def fresh_module_state(monkeypatch):
-    """A process that has not yet decided whether it has the library."""
-    monkeypatch.setattr(native, "_LOADED", [])
-    monkeypatch.setattr(native, "_BUILD_STARTED", [])
+    _undecided(monkeypatch)
 
 
 @pytest.fixture
@@ -251,6 +254,23 @@ def test_a_missing_library_is_built_in_the_background(background_build):
         check=True)
     assert loads.stdout.strip() == "True"
     assert shutil.which("ninja")  # what cpp_extension builds with
+
+
+def test_an_explicit_build_runs_the_builder_unless_the_library_is_there(built_root, tmp_path,
+                                                                         monkeypatch):
+    """build() (precompile, conftest's GPU sessions) runs the builder the background build
+    runs (whose real build the fixture made), waits for it, and keeps a present library."""
+    calls = []
+
+    def recording_run(command, **kwargs):
+        calls.append((command, kwargs["check"]))
+
+    monkeypatch.setattr(native.subprocess, "run", recording_run)
+    assert native.build(built_root) == native.library_path(built_root)
+    assert calls == []  # present: kept, no build
+    path = native.library_path(tmp_path)
+    assert native.build(tmp_path) == path
+    assert calls == [(native._build_command(path), True)]
 
 
 def test_a_recent_build_marker_keeps_a_second_process_from_building(tmp_path, monkeypatch,
