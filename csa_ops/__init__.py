@@ -39,6 +39,18 @@ def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None =
     return host.precompile(ratio, head_dim, coff, dtype, arch)
 
 
+def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None = None,
+                      arch: str | None = None):
+    """Compile csa::compressor_extend's kernels of one configuration ahead of use (every
+    kernel its call sizes launch: decode steps, decode-sized calls, the two launches of
+    larger calls; a CUDA graph capture cannot compile one); returns their keys. dtype and
+    arch as in precompile.
+    """
+    from . import host
+
+    return host.precompile_extend(ratio, head_dim, coff, dtype, arch)
+
+
 def __getattr__(name: str):
     # ``csa_ops.lowering`` without importing Inductor at package import (PEP 562).
     if name == "lowering":
@@ -47,4 +59,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["Compressor", "CompressorState", "compressor", "compressor_extend", "offsets_for",
-           "ops", "precompile"]
+           "ops", "precompile", "precompile_extend"]

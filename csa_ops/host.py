@@ -86,7 +86,9 @@ def _device_info(dev: torch.device) -> tuple[str | None, int]:
 
 # Pointer kinds: "data" (the key's dtype, key.align_bytes), "f32" (ape, grad_ape, workspace,
 # score_state; 16-byte aligned), "idx" (int32: cu, cuc, start_pos, slots). "i32" is an Int32
-# scalar. The stream follows. "ext" is csa::compressor_extend's kernel (kernels/extend.py).
+# scalar. The stream follows. "ext" is csa::compressor_extend's kernel (kernels/extend.py
+# for register windows, kernels/streaming.py's for larger ones; a split call launches it
+# twice).
 ARGUMENTS = {
     "fwd": (("kv", "data"), ("score", "data"), ("ape", "f32"), ("cu", "idx"), ("cuc", "idx"),
             ("out", "data"), ("workspace", "f32"), ("num_tokens", "i32"), ("num_rows", "i32"),
@@ -185,11 +187,14 @@ class _CompileCache:
 
     def _compile_now(self, direction: str, key: KernelKey, engine: bool = True) -> Any:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # csa::compressor's directions and csa::compressor_extend's kernels each have
+            # their own precompile entry.
+            entry = "precompile_extend" if direction == "ext" else "precompile"
             raise RuntimeError(
                 f"csa_ops: the {direction} kernel for {key} is not compiled and a CUDA graph "
-                f"capture is active, where JIT is not allowed. Call csa_ops.precompile("
+                f"capture is active, where JIT is not allowed. Call csa_ops.{entry}("
                 f"ratio={key.ratio}, head_dim={key.head_dim}, coff={key.coff}, dtype=torch."
-                f"{key.dtype}) (or run the op once eagerly) before capturing."
+                f"{key.dtype}) (or make the same call once eagerly) before capturing."
             )
         self.misses += 1
         return _compile(direction, key, engine)
@@ -592,14 +597,15 @@ def launch_key(direction: str, key: KernelKey, tensors, sizes, grid: int) -> Non
 
 
 # ---------------------------------------------------------------------------------------
-# csa::compressor_extend (SPEC 8): one kernel, compiled from the forward's register-window key
+# csa::compressor_extend (SPEC 8): each family's extend kernel, compiled from the forward's key
 
 
 def extend_problem(kv: torch.Tensor, ratio: int, coff: int,
                    num_requests: int) -> Problem | None:
     """The extend kernel's problem of a validated call (the forward's key, launched with the
     knobs of the call's size class: the key's flags fix the rows' bits), None when the
-    reference runs it: no register-window forward key for this device and shape."""
+    reference runs it: no forward key for this device and shape, or one whose family has no
+    extend kernel for it (extend_plan.supports)."""
     if not kv.is_cuda or kv.dtype not in _TORCH_DTYPES or kv.dim() != 2:
         return None
     if kv.shape[1] == 0 or kv.shape[1] % coff:

@@ -1,11 +1,12 @@
-"""Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``).
+"""Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``,
+``csa_ops.precompile_extend(...)``).
 
 The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
 configurations, dtypes and archs (csa::compressor's two directions and
-csa::compressor_extend's kernels: those each call size class launches for register
-windows, one for the streaming family), on any machine, without a GPU (cross-compiling). Ship the
-directory and point ``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of
-those configurations and never compiles. It also builds the native launch library
+csa::compressor_extend's kernels, those its call size classes launch: extend_plan.keys), on
+any machine, without a GPU (cross-compiling). Ship the directory and point
+``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of those configurations
+and never compiles. It also builds the native launch library
 (``csa_ops.native``) for this machine's torch into the same directory; a machine with another
 torch builds its own on first use.
 

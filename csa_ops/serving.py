@@ -89,9 +89,8 @@ def _check_state(kv_state, score_state, kv, ratio: int, coff: int, num_requests)
 
 
 def check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
-                    ratio, coff, total_comp=None) -> int:
-    """Everything that metadata alone decides (runs on fake tensors, never syncs);
-    returns head_dim."""
+                    ratio, coff, total_comp=None) -> None:
+    """Everything that metadata alone decides (runs on fake tensors, never syncs)."""
     for name, tensor in (("kv", kv), ("score", score), ("ape", ape), ("cu_seqlens", cu_seqlens)):
         _check_tensor(name, tensor, kv if name != "kv" else None)
     with validation.checking(OP):
@@ -104,7 +103,6 @@ def check_arguments(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, scor
             _fail(f"`total_comp` must be >= 0 or None, got {total_comp}")
         if definitely(total_comp * head_dim > INT32_MAX):
             _fail(f"`total_comp` * head_dim = {total_comp * head_dim} overflows int32 offsets")
-    return head_dim
 
 
 def _check_slots(slots: list, num_slots: int) -> None:
@@ -118,8 +116,8 @@ def _check_slots(slots: list, num_slots: int) -> None:
 
 
 def check_contents(cu_seqlens, start_pos, slots, num_tokens: int, num_slots: int, ratio: int,
-                   total_comp=None) -> int:
-    """Content checks (host-side tensors only, so free); return the true row count."""
+                   total_comp=None) -> None:
+    """Content checks (host-side tensors only, so free)."""
     cu, starts = cu_seqlens.tolist(), start_pos.tolist()
     if cu[0] != 0:
         _fail(f"`cu_seqlens[0]` must be 0, got {cu[0]}")
@@ -138,7 +136,6 @@ def check_contents(cu_seqlens, start_pos, slots, num_tokens: int, num_slots: int
     _check_slots(slots.tolist(), num_slots)
     if total_comp is not None and total_comp < rows:
         _fail(f"`total_comp` = {total_comp} is smaller than the true row count {rows}")
-    return rows
 
 
 _LIB = torch.library.Library("csa", "FRAGMENT")
@@ -163,9 +160,10 @@ _PREPARED = dispatch.PreparedCalls()
 
 
 def _kernel_extent(problem, rows: int, kv, kv_state) -> int:
-    """The largest element index the extend kernel forms in int32: output rows for both
-    families; the streaming family's layouts index tokens and state entries in int32 too
-    (register windows compute 64-bit offsets there)."""
+    """The largest element index that must fit the extend kernel's int32 indexing: the
+    streaming family indexes output rows, tokens and state entries in int32. Register
+    windows form 64-bit offsets; their output rows are counted too, which sends only calls
+    of more than 2**31 output elements to the reference."""
     extent = rows * problem.key.head_dim
     if problem.key.family == "streaming":
         extent = max(extent, kv.numel(), kv_state.numel())

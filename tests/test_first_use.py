@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 import csa_ops
+from csa_ops import host
+from csa_ops.kernels import extend_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +30,27 @@ def test_precompile_defaults_to_bfloat16(tmp_path, monkeypatch):
 def test_precompile_without_arch_needs_a_gpu():
     with pytest.raises(RuntimeError, match="arch"):
         csa_ops.precompile(ratio=4, head_dim=128, coff=2)
+
+
+@pytest.mark.parametrize("direction", ("fwd", "bwd", "ext"))
+def test_a_capture_that_needs_a_compile_names_the_precompile_that_covers_it(direction,
+                                                                             monkeypatch):
+    # A capture is simulated (no GPU here): the error comes before anything compiles. The
+    # call it names must compile the kernel the capture needed: csa::compressor's two
+    # directions, or csa::compressor_extend's kernels of every call size.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    config = {"ratio": 6, "head_dim": 48, "coff": 2}
+    forward, backward = (key for _, key in host.configuration_keys(
+        *config.values(), torch.bfloat16, "sm_90a"))
+    keys = {"fwd": forward, "bwd": backward,
+            "ext": extend_plan.for_size(forward, extend_plan.STEP)}
+    entry = "precompile_extend" if direction == "ext" else "precompile"
+    compiles = (extend_plan.keys(forward) if direction == "ext" else (forward, backward))
+    assert keys[direction] in compiles
+    named = f"csa_ops.{entry}(ratio=6, head_dim=48, coff=2, dtype=torch.bfloat16)"
+    with pytest.raises(RuntimeError, match=re.escape(named)):
+        host._CACHE.get(direction, keys[direction])
 
 
 def test_numpy_is_a_dependency():

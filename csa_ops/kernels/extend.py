@@ -1,5 +1,5 @@
 """csa::compressor_extend kernel (SPEC 8): the rows of the blocks that new tokens complete,
-and every request's new state, in one launch.
+and every request's new state, in one launch (or two: a split call, below).
 
 Work items: per request, its state and its first min(rows, coff) rows (the only rows that
 read the state); then one per output row (windows of new tokens only; padding: zeros). With
@@ -192,17 +192,13 @@ def _build(key: KernelKey):
         first-block flag the compiler could fold would let it contract a multiply-add the
         forward keeps apart: tests/test_extend_kernel.py audits the operations.)"""
         first = q == 0
+
+        def column(i):
+            return (lambda k: Float32(rL[i, k]), lambda k: element(rKV[None, k], i), first)
+
         rO = cute.make_rmem_tensor((V,), g.dtype)
-        for i in cutlass.range_constexpr(V):
-            column = (lambda k, i=i: Float32(rL[i, k]), lambda k, i=i: element(rKV[None, k], i),
-                      first)
-            if cutlass.const_expr(g.fast_exp):
-                res, certified = _column_fast(g, *column)
-                if not certified:  # rare: a cancelling column, NaN or infinity
-                    res = _column_exact(g, *column)
-                rO[i] = g.dtype(res)
-            else:
-                rO[i] = g.dtype(_column_exact(g, *column))
+        window.pool_columns(g, rO, lambda i: _column_fast(g, *column(i)),
+                            lambda i: _column_exact(g, *column(i)))
         store_row(p_out, rO, n, cv)
 
     @cute.jit
@@ -219,14 +215,8 @@ def _build(key: KernelKey):
     def pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl):
         """body_row's pooling and store, of a window load_window loaded."""
         rO = cute.make_rmem_tensor((V,), g.dtype)
-        for i in cutlass.range_constexpr(V):
-            if cutlass.const_expr(g.fast_exp):
-                res, certified = window._output_fast(g, rKV, rS, sApe, i, cvl, first)
-                if not certified:
-                    res = window._output_exact(g, rKV, rS, sApe, i, cvl, first)
-                rO[i] = g.dtype(res)
-            else:
-                rO[i] = g.dtype(window._output_exact(g, rKV, rS, sApe, i, cvl, first))
+        window.pool_columns(g, rO, lambda i: window._output_fast(g, rKV, rS, sApe, i, cvl, first),
+                            lambda i: window._output_exact(g, rKV, rS, sApe, i, cvl, first))
         store_row(p_out, rO, n, cv)
 
     @cute.jit

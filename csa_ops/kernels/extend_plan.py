@@ -13,11 +13,9 @@ from ..config import KernelKey, LaunchPlan, with_knobs
 from . import streaming_plan, window_plan
 
 
-def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
-              **overrides: int) -> KernelKey:
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str) -> KernelKey:
     """The extend key of the forward's heuristic key (window_plan.configure)."""
-    return from_forward(window_plan.configure(ratio, coff, head_dim, dtype, arch, False),
-                        **overrides)
+    return from_forward(window_plan.configure(ratio, coff, head_dim, dtype, arch, False))
 
 
 def from_forward(key: KernelKey, **overrides: int) -> KernelKey:

@@ -129,6 +129,22 @@ def _output_fast(g, rKV, rS, sApe, i, cvl, first):
     return _pool_fast(g, logits, m, lambda k: Float32(rKV[i, k]), first)
 
 
+@cute.jit
+def pool_columns(g, rO, fast, exact):
+    """rO[i] = output column i in the key's dtype, i < V: fast(i) -> (value, certified)
+    where the key takes the fast softmax and its certificate holds, else exact(i) -> value
+    (rare under fast_exp: a cancelling column, NaN or infinity). The forward and the extend
+    kernel's rows pool through here, so their bits agree by construction."""
+    for i in cutlass.range_constexpr(g.V):
+        if cutlass.const_expr(g.fast_exp):
+            res, certified = fast(i)
+            if not certified:
+                res = exact(i)
+            rO[i] = g.dtype(res)
+        else:
+            rO[i] = g.dtype(exact(i))
+
+
 def _pool_fast(g, logits, m, value, first):
     """(output column, certified): sum(e_k * v_k) / sum(e_k) with e_k = 2**x_k by
     ex2.approx, x_k = (l_k - m) * log2(e) - shift: about half the exact path's instructions
@@ -309,14 +325,8 @@ def _build_forward(key: KernelKey):
             rO = cute.make_rmem_tensor((g.V,), g.dtype)
             rO.fill(0.0)
             if valid:
-                for i in cutlass.range_constexpr(g.V):
-                    if cutlass.const_expr(g.fast_exp):
-                        res, certified = _output_fast(g, rKV, rS, sApe, i, cvl, first)
-                        if not certified:  # rare: a cancelling column, NaN or infinity
-                            res = _output_exact(g, rKV, rS, sApe, i, cvl, first)
-                        rO[i] = g.dtype(res)
-                    else:
-                        rO[i] = g.dtype(_output_exact(g, rKV, rS, sApe, i, cvl, first))
+                pool_columns(g, rO, lambda i: _output_fast(g, rKV, rS, sApe, i, cvl, first),
+                             lambda i: _output_exact(g, rKV, rS, sApe, i, cvl, first))
             o_off = cute.assume(Int64(n) * g.D + cv * g.V, divby=g.V)
             cute.autovec_copy(rO, cute.make_tensor(p_out + o_off, g.V))
 

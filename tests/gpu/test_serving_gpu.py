@@ -5,6 +5,7 @@ a decode step in a CUDA graph, no host sync, and memory safety for any slots and
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from serving_helpers import (
     run_schedule,
 )
 
+import csa_ops
 from csa_ops import CompressorState
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -222,7 +224,29 @@ def _decode_inputs(batch, ratio, coff, head_dim, num_slots, steps, seed=0):
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1)])
 def test_decode_graph_replays_match_eager_bitwise(ratio, coff):
-    batch, head_dim, steps = 64, 512, min(2 * ratio + 3, 9)
+    _replay_decode_steps(ratio, coff, 512, 64, warm_up=True)
+
+
+def test_a_capture_names_the_precompile_its_kernels_need():
+    # A configuration no other test runs: nothing has compiled its kernels. The capture's
+    # error names the call that compiles them; after it the step captures with no eager
+    # call first.
+    ratio, coff, head_dim, batch = 6, 2, 48, 8
+    tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, 16, 1)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    named = "csa_ops.precompile_extend(ratio=6, head_dim=48, coff=2, dtype=torch.bfloat16)"
+    with pytest.raises(RuntimeError, match=re.escape(named)), \
+            torch.cuda.graph(torch.cuda.CUDAGraph()):
+        OP(*tokens[0], ape, cu, start, slots, state.kv, state.score, ratio, coff, batch)
+    csa_ops.precompile_extend(ratio, head_dim, coff, torch.bfloat16)
+    _replay_decode_steps(ratio, coff, head_dim, batch, warm_up=False)
+
+
+def _replay_decode_steps(ratio, coff, head_dim, batch, warm_up):
+    """A decode step captured in a CUDA graph (after an eager one on a scratch state where
+    `warm_up`), replayed over advancing positions: rows, offsets and state bitwise those of
+    eager steps."""
+    steps = min(2 * ratio + 3, 9)
     tokens, state, slots, start, ape = _decode_inputs(batch, ratio, coff, head_dim, 96, steps)
     eager = CompressorState(96, ratio, coff, head_dim, torch.bfloat16, "cuda")
     eager.kv.copy_(state.kv)
@@ -234,12 +258,13 @@ def test_decode_graph_replays_match_eager_bitwise(ratio, coff):
     def step(kv_state, score_state, kv, score, pos):
         return OP(kv, score, ape, cu, pos, slots, kv_state, score_state, ratio, coff, batch)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture, on a scratch state
-        scratch = CompressorState(96, ratio, coff, head_dim, torch.bfloat16, "cuda")
-        step(scratch.kv, scratch.score, static_kv, static_score, static_pos)
-    torch.cuda.current_stream().wait_stream(side)
+    if warm_up:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # outside the capture, on a scratch state
+            scratch = CompressorState(96, ratio, coff, head_dim, torch.bfloat16, "cuda")
+            step(scratch.kv, scratch.score, static_kv, static_score, static_pos)
+        torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graph_out, graph_cuc = step(state.kv, state.score, static_kv, static_score, static_pos)
