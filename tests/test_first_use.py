@@ -40,13 +40,12 @@ def test_a_capture_that_needs_a_compile_names_the_precompile_that_covers_it(dire
     # directions, or csa::compressor_extend's kernels of every call size.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    config = {"ratio": 6, "head_dim": 48, "coff": 2}
-    forward, backward = (key for _, key in host.configuration_keys(
-        *config.values(), torch.bfloat16, "sm_90a"))
+    forward, backward = (key for _, key in host.configuration_keys(6, 48, 2, torch.bfloat16,
+                                                                    "sm_90a"))
     keys = {"fwd": forward, "bwd": backward,
             "ext": extend_plan.for_size(forward, extend_plan.STEP)}
     entry = "precompile_extend" if direction == "ext" else "precompile"
-    compiles = (extend_plan.keys(forward) if direction == "ext" else (forward, backward))
+    compiles = extend_plan.keys(forward) if direction == "ext" else (forward, backward)
     assert keys[direction] in compiles
     named = f"csa_ops.{entry}(ratio=6, head_dim=48, coff=2, dtype=torch.bfloat16)"
     with pytest.raises(RuntimeError, match=re.escape(named)):
