@@ -264,10 +264,6 @@ def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                                            kv_state, score_state, ratio, coff, total_comp)
 
 
-def _as_slot_tensor(slots, device) -> torch.Tensor:
-    return torch.as_tensor(slots, dtype=torch.long, device=device).reshape(-1)
-
-
 class CompressorState:
     """The per-slot state of ``csa::compressor_extend`` for ``num_slots`` requests.
 
@@ -296,12 +292,59 @@ class CompressorState:
             self.kv.zero_()
             self.score.fill_(float("-inf"))
             return
-        index = _as_slot_tensor(slots, self.kv.device)
+        index = self._slot_index(slots, "reset", "slots")
         self.kv.index_fill_(0, index, 0.0)
         self.score.index_fill_(0, index, float("-inf"))
+
+    def copy_slots(self, src, dst) -> None:
+        """Give slots ``dst`` the state of slots ``src``, pair by pair (ints or tensors of
+        equal length; ``dst`` distinct, ``src`` may repeat): a prompt's state forked for
+        parallel samples, or a request moved to another slot. A slot in both is read before
+        it is written, so ``copy_slots([a, b], [b, a])`` swaps two slots. Fixed-shape
+        gathers and scatters, so it can sit inside a CUDA graph."""
+        src_index = self._slot_index(src, "copy_slots", "src")
+        dst_index = self._slot_index(dst, "copy_slots", "dst")
+        if src_index.numel() != dst_index.numel():
+            raise ValueError(f"CompressorState.copy_slots: `src` and `dst` must pair up, got "
+                             f"{src_index.numel()} and {dst_index.numel()} slots")
+        if _on_host(dst) and dst_index.unique().numel() != dst_index.numel():
+            raise ValueError("CompressorState.copy_slots: `dst` must not repeat a slot (which "
+                             "copy would it keep?)")
+        for state in (self.kv, self.score):
+            state.index_copy_(0, dst_index, state.index_select(0, src_index))
+
+    def _slot_index(self, slots, method: str, name: str) -> torch.Tensor:
+        """``slots`` as an int64 index of this state's slots on its device. Values on the
+        host (ints, CPU tensors) are checked here. A device tensor's are not read (that
+        would sync, and no CUDA graph could hold the call): a negative one is moved out of
+        range, so that torch's device-side index assertion stops it where indexing would
+        otherwise wrap it to a slot counted from the end."""
+        where = f"CompressorState.{method}: `{name}`"
+        index = slots if isinstance(slots, torch.Tensor) else torch.as_tensor(slots)
+        if index.numel() == 0:  # [] reads as fp32
+            index = index.long()
+        if index.dtype not in (torch.int32, torch.int64) or index.dim() > 1:
+            raise TypeError(f"{where} must be slot numbers: ints or a 1-D int32/int64 "
+                            f"tensor, got {index.dtype} of shape {tuple(index.shape)}")
+        index = index.reshape(-1).long()
+        if _on_host(slots):
+            outside = index[(index < 0) | (index >= self.num_slots)]
+            if outside.numel():
+                raise ValueError(f"{where} holds slot {int(outside[0])}, outside the state's "
+                                 f"[0, {self.num_slots})")
+            return index.to(self.kv.device)
+        if index.device != self.kv.device:
+            raise ValueError(f"{where} must be on the state's device ({self.kv.device}) or "
+                             f"the CPU, got {index.device}")
+        return index.masked_fill(index < 0, self.num_slots)
 
     def extend(self, kv, score, ape, cu_seqlens, start_pos, slots, total_comp=None):
         """``compressor_extend`` on this state."""
         return compressor_extend(kv, score, ape, cu_seqlens, start_pos, slots, self.kv,
                                  self.score, ratio=self.ratio, coff=self.coff,
                                  total_comp=total_comp)
+
+
+def _on_host(slots) -> bool:
+    """Whether the values of ``slots`` (ints or a tensor) can be read without a device sync."""
+    return not isinstance(slots, torch.Tensor) or slots.device.type == "cpu"

@@ -152,6 +152,40 @@ def extend_step(req: Requests, step, consumed, state, slot_of, extra_rows=None):
     return out, cuc, true_rows
 
 
+def check_forked_prompt(ratio: int, coff: int, head_dim: int, dtype, device, prompt: int,
+                        tails, sizes, fork) -> None:
+    """Parallel samples of one prompt: requests that share request 0's first ``prompt``
+    tokens and then go their own ways (``tails`` more tokens each, ``sizes`` a step, in
+    mixed batches). Request 0 prefills the prompt into a slot; fork(state, src, dst) gives
+    the other requests' slots (garbage before) that state; then all extend. Every request's
+    rows (the prompt's counted for each) and state must equal one csa::compressor call over
+    its whole sequence."""
+    req = make_requests([prompt + t for t in tails], ratio, coff, head_dim, dtype, device,
+                        seed=ratio + coff)
+    for tokens in (req.kv, req.score):
+        for i in range(1, len(tails)):
+            tokens[i][:prompt] = tokens[0][:prompt]
+    slot_of = permuted_slots(len(tails), len(tails) + 2, seed=ratio)
+    state = CompressorState(len(tails) + 2, ratio, coff, head_dim, dtype, device)
+    state.kv.fill_(float("nan"))
+    state.score.fill_(float("nan"))
+    consumed = [0] * len(tails)
+    prompt_rows, _, _ = extend_step(req, [(0, prompt)], consumed, state, slot_of)
+    fork(state, [slot_of[0]] * (len(tails) - 1), slot_of[1:])
+    rows = [[prompt_rows] for _ in tails]
+    consumed = [prompt] * len(tails)
+    while consumed != req.lengths:
+        step = [(i, min(n, total - done)) for i, (n, total, done)
+                in enumerate(zip(sizes, req.lengths, consumed)) if done < total]
+        out, cuc, _ = extend_step(req, step, consumed, state, slot_of)
+        bounds = cuc.tolist()
+        for j, (i, n) in enumerate(step):
+            rows[i].append(out[bounds[j]:bounds[j + 1]])
+            consumed[i] += n
+    assert_rows(req, [torch.cat(r) for r in rows], assert_bitwise_equal)
+    assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
+
+
 def expected_state(req: Requests, i: int, position: int):
     """(kv, logits, specified) of request i's slot after ``position`` tokens, per SPEC 8."""
     r, window = req.ratio, req.coff * req.ratio

@@ -25,6 +25,7 @@ from serving_helpers import (
     assert_rows,
     assert_state,
     case_id,
+    check_forked_prompt,
     check_invalid_requests_isolated,
     check_rows_past_int32,
     drawer,
@@ -295,6 +296,64 @@ def test_compressor_state():
     assert int(torch.count_nonzero(state.kv)) == 0
     with pytest.raises(ValueError, match="`coff` must be 1 or 2"):
         CompressorState(3, 4, 3, 5)
+
+
+# (ratio, coff, head_dim, dtype, prompt, tails, sizes) of check_forked_prompt: a tail
+# continuing by prefill chunks, one by decode, an empty one; the prompt ends mid-block.
+FORKS = [
+    (4, 2, 6, torch.bfloat16, 13, (9, 1, 0, 6), (1, 1, 1, 4)),
+    (5, 1, 7, torch.float32, 12, (8, 3, 11), (3, 1, 11)),
+    (128, 1, 7, torch.bfloat16, 300, (90, 0, 130), (1, 1, 45)),
+    (128, 2, 3, torch.float32, 260, (140, 5), (70, 1)),
+]
+
+
+@pytest.mark.parametrize("case", FORKS, ids=[f"r{c[0]}c{c[1]}" for c in FORKS])
+def test_copy_slots_forks_a_prompt_for_parallel_samples(case):
+    ratio, coff, head_dim, dtype, prompt, tails, sizes = case
+    check_forked_prompt(ratio, coff, head_dim, dtype, "cpu", prompt, tails, sizes,
+                        lambda state, src, dst: state.copy_slots(src, dst))
+
+
+def test_copy_slots_reads_every_slot_before_writing():
+    state = CompressorState(4, 4, 2, 5, torch.float32)
+    state.kv.normal_()
+    state.score.normal_()
+    kv, score = state.kv.clone(), state.score.clone()
+    # A swap, a slot copied onto itself and a source read by two copies, one of them into a
+    # slot that is itself a source.
+    src, dst = [0, 1, 2, 1], [1, 0, 2, 3]
+    state.copy_slots(torch.tensor(src), torch.tensor(dst, dtype=torch.int32))
+    for s, d in zip(src, dst):
+        assert_bitwise_equal(state.kv[d], kv[s], f"kv of slot {d}")
+        assert_bitwise_equal(state.score[d], score[s], f"score of slot {d}")
+    state.copy_slots([], [])
+    assert_bitwise_equal(state.kv[3], kv[1], "kv of slot 3")
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda s: s.reset([-1]), ValueError, r"reset: `slots` holds slot -1, outside .*\[0, 3\)"),
+    (lambda s: s.reset(torch.tensor([1, 3])), ValueError, r"`slots` holds slot 3"),
+    (lambda s: s.reset(torch.tensor([0.0])), TypeError, r"`slots` must be slot numbers.*float"),
+    (lambda s: s.reset(True), TypeError, r"`slots` must be slot numbers.*bool"),
+    (lambda s: s.reset(torch.zeros(2, 2, dtype=torch.int32)), TypeError,
+     r"`slots` must be slot numbers.*shape \(2, 2\)"),
+    (lambda s: s.copy_slots([0], [1, 2]), ValueError, r"`src` and `dst` must pair up, got 1 and 2"),
+    (lambda s: s.copy_slots([0, 1], [2, 2]), ValueError, r"`dst` must not repeat a slot"),
+    (lambda s: s.copy_slots([3], [0]), ValueError, r"copy_slots: `src` holds slot 3"),
+    (lambda s: s.copy_slots([0], [-3]), ValueError, r"copy_slots: `dst` holds slot -3"),
+    (lambda s: s.copy_slots([0], torch.tensor([1], dtype=torch.int16)), TypeError,
+     r"`dst` must be slot numbers.*int16"),
+], ids=["reset-negative", "reset-past", "reset-float", "reset-bool", "reset-2d",
+        "copy-unpaired", "copy-repeated-dst", "copy-src-past", "copy-dst-negative",
+        "copy-int16"])
+def test_state_helpers_name_bad_slots(call, error, message):
+    state = CompressorState(3, 4, 2, 5, torch.float32)
+    state.kv.normal_()
+    kv = state.kv.clone()
+    with pytest.raises(error, match=message):
+        call(state)
+    assert_bitwise_equal(state.kv, kv, "kv_state after a refused call")
 
 
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1)])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from serving_helpers import (
     assert_rows,
     assert_state,
     case_id,
+    check_forked_prompt,
     check_invalid_requests_isolated,
     check_rows_past_int32,
     make_requests,
@@ -334,6 +337,46 @@ def test_split_calls_in_one_graph_match_eager_bitwise(ratio, coff, piece):
         assert_bitwise_equal(cuc, want_cuc, f"cu_seqlens_comp of call {i}")
     assert_bitwise_equal(graph_state.kv, eager_state.kv, "kv_state")
     assert_bitwise_equal(graph_state.score, eager_state.score, "score_state")
+
+
+def _fork_in_graph(state, src, dst):
+    """copy_slots from device tensors, captured in a CUDA graph and replayed."""
+    src, dst = (torch.tensor(s, dtype=torch.int32, device="cuda") for s in (src, dst))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        state.copy_slots(src, dst)
+    graph.replay()
+
+
+@pytest.mark.parametrize("ratio,coff,prompt,tails,sizes", [
+    (4, 2, 701, (40, 1, 0, 300), (1, 1, 1, 100)),
+    (128, 1, 1300, (150, 0, 300), (1, 1, 129)),
+])
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
+def test_copy_slots_forks_a_prompt_for_parallel_samples(ratio, coff, prompt, tails, sizes,
+                                                        captured):
+    """Rows and state of forked requests equal the CUDA csa::compressor over each whole
+    sequence bitwise, with the fork eager (host slots) or replayed from a graph."""
+    fork = _fork_in_graph if captured else (lambda state, src, dst: state.copy_slots(src, dst))
+    check_forked_prompt(ratio, coff, 512, torch.bfloat16, "cuda", prompt, tails, sizes, fork)
+
+
+@pytest.mark.parametrize("call", ["reset(minus_one)", "copy_slots(zero, minus_one)",
+                                  "copy_slots(minus_one, zero)"])
+def test_negative_device_slots_stop_at_torchs_index_assertion(call):
+    """A device tensor's slots are not read on the host; a negative one must not wrap to a
+    slot counted from the end (torch's indexing would), but trip the device-side index
+    assertion, which ends the process's CUDA context: hence a process of its own."""
+    code = ("import torch, csa_ops\n"
+            "state = csa_ops.CompressorState(3, 4, 2, 8, torch.bfloat16, 'cuda')\n"
+            "zero, minus_one = (torch.tensor([v], device='cuda') for v in (0, -1))\n"
+            "state.kv.fill_(1.0)\n"
+            f"state.{call}\n"
+            "print('last slot kept:', bool((state.kv[2] == 1).all()))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode != 0, result.stdout
+    assert "device-side assert" in result.stderr, result.stderr[-2000:]
 
 
 def test_static_capacity_never_syncs():
