@@ -287,7 +287,8 @@ class CompressorState:
 
     def reset(self, slots=None) -> None:
         """Put ``slots`` (ints or a tensor; None = all) back in the initial state: values 0,
-        logits -inf. Fixed-shape in-place fills, so it can sit inside a CUDA graph."""
+        logits -inf. Fixed-shape in-place fills: given a tensor on the state's device (or
+        None), it can sit inside a CUDA graph."""
         if slots is None:
             self.kv.zero_()
             self.score.fill_(float("-inf"))
@@ -301,7 +302,8 @@ class CompressorState:
         equal length; ``dst`` distinct, ``src`` may repeat): a prompt's state forked for
         parallel samples, or a request moved to another slot. A slot in both is read before
         it is written, so ``copy_slots([a, b], [b, a])`` swaps two slots. Fixed-shape
-        gathers and scatters, so it can sit inside a CUDA graph."""
+        gathers and scatters: given tensors on the state's device, it can sit inside a CUDA
+        graph."""
         src_index = self._slot_index(src, "copy_slots", "src")
         dst_index = self._slot_index(dst, "copy_slots", "dst")
         if src_index.numel() != dst_index.numel():
