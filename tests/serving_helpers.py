@@ -105,13 +105,15 @@ def random_schedule(lengths, ratio: int, seed: int, decode_tail: int = 0) -> lis
     return steps
 
 
-def run_schedule(req: Requests, schedule, state: CompressorState, slot_of, extra_rows=None):
+def run_schedule(req: Requests, schedule, state: CompressorState, slot_of, extra_rows=None,
+                 start=None):
     """Drive ``schedule`` through csa::compressor_extend; return (rows per request, positions).
 
     ``extra_rows`` None passes total_comp=None; an int passes the true count plus that many
-    padding rows, which must come back exact zeros.
+    padding rows, which must come back exact zeros. ``start``: the positions the requests
+    have consumed before (None: all 0); the rows are those of this schedule's calls only.
     """
-    consumed = [0] * len(req.kv)
+    consumed = list(start) if start is not None else [0] * len(req.kv)
     rows = [[] for _ in req.kv]
     for step in schedule:
         out, cuc, true_rows = extend_step(req, step, consumed, state, slot_of, extra_rows)
@@ -169,20 +171,13 @@ def check_forked_prompt(ratio: int, coff: int, head_dim: int, dtype, device, pro
     state = CompressorState(len(tails) + 2, ratio, coff, head_dim, dtype, device)
     state.kv.fill_(float("nan"))
     state.score.fill_(float("nan"))
-    consumed = [0] * len(tails)
-    prompt_rows, _, _ = extend_step(req, [(0, prompt)], consumed, state, slot_of)
+    prompt_rows = run_schedule(req, [[(0, prompt)]], state, slot_of)[0][0]
     fork(state, [slot_of[0]] * (len(tails) - 1), slot_of[1:])
-    rows = [[prompt_rows] for _ in tails]
-    consumed = [prompt] * len(tails)
-    while consumed != req.lengths:
-        step = [(i, min(n, total - done)) for i, (n, total, done)
-                in enumerate(zip(sizes, req.lengths, consumed)) if done < total]
-        out, cuc, _ = extend_step(req, step, consumed, state, slot_of)
-        bounds = cuc.tolist()
-        for j, (i, n) in enumerate(step):
-            rows[i].append(out[bounds[j]:bounds[j + 1]])
-            consumed[i] += n
-    assert_rows(req, [torch.cat(r) for r in rows], assert_bitwise_equal)
+    steps = max(-(-t // n) for n, t in zip(sizes, tails))
+    schedule = [[(i, min(n, t - k * n)) for i, (n, t) in enumerate(zip(sizes, tails)) if k * n < t]
+                for k in range(steps)]
+    rows, consumed = run_schedule(req, schedule, state, slot_of, start=[prompt] * len(tails))
+    assert_rows(req, [torch.cat([prompt_rows, r]) for r in rows], assert_bitwise_equal)
     assert_state(req, state, slot_of, consumed, assert_bitwise_equal)
 
 
