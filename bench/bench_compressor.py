@@ -1,6 +1,6 @@
 """Side-by-side benchmark of csa::compressor against the eager and compiled baselines.
 
-    python bench/bench_compressor.py                 # SPEC 5 production shapes
+    python bench/bench_compressor.py                 # the production shapes
     python bench/bench_compressor.py --quick         # a tiny set, any device
 
 Prints a markdown table, writes results.json and results.png under --out. See README.md.
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--shapes", default=None,
-                   help="comma-separated r<ratio>c<coff>_<B>x<len>_d<d> (default: SPEC 5 set)")
+                   help="comma-separated r<ratio>c<coff>_<B>x<len>_d<d> (default: production)")
     p.add_argument("--quick", action="store_true", help="a tiny shape set (smoke run)")
     p.add_argument("--variants", default=None,
                    help="comma-separated substrings; a variant runs if its name holds one")

@@ -1,4 +1,4 @@
-"""Host-side costs users meet first (SPEC 7): import, first call, per-call launch.
+"""Host-side costs users meet first: import, first call, per-call launch.
 
 Fresh processes measure ``import csa_ops`` over ``import torch``, a configuration's first
 call (forward + backward) with a cold and with a warm kernel cache, and how many kernels

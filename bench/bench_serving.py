@@ -1,6 +1,6 @@
 """Serving benchmark of csa::compressor_extend: decode steps and prefill from state.
 
-    python bench/bench_serving.py             # issue 13 rows (CUDA): decode B 1/64/256/1024,
+    python bench/bench_serving.py             # the H200 rows (CUDA): decode B 1/64/256/1024,
                                               # prefill 4 x 2048 continuing from state
     python bench/bench_serving.py --smoke     # tiny shapes on the CPU: the harness works
 
@@ -287,7 +287,7 @@ def _fmt(value, unit="x") -> str:
 
 
 def targets(rows: list, batch: int = 256) -> list:
-    """Issue 13's H200 targets: the decode kernel time, then the graph-replay rows."""
+    """The H200 serving targets: the decode kernel time, then the graph-replay rows."""
     ops = [r for r in rows if r["variant"] == "op" and "median_s" in r]
     graph = [r for r in ops if r["timing"] == "graph"]
     lines = []

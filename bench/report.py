@@ -89,7 +89,7 @@ def _speedups(kernel: dict, call: dict) -> str:
 
 
 # Per shape: the op's kernel and call times against the floor and the compiled baseline
-# (SPEC 5's targets), one line each.
+# (kernel time against the DRAM floor and torch.compile), one line each.
 _SUMMARY_HEAD = ("| shape | op path | floor fwd / bwd us | op fwd kernel us (x floor) | "
                  "op bwd kernel us (x floor) | op fwd / fwd+bwd call us | compiled ref fwd / "
                  "fwd+bwd us | fwd vs compiled (kernel / call) | fwd+bwd vs compiled "

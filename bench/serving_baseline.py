@@ -1,10 +1,10 @@
 """What inference code runs today for the compressor's decode step: a dozen small torch ops.
 
-Written from SPEC 8 the way DeepSeek-V4's inference code writes it (write the token and its
-logit into the slot, pool the window when the token completes a block, shift the block for
-coff 2), with per-request positions and no data-dependent control flow, so it can be
-captured in a CUDA graph and compiled with ``fullgraph=True``. A baseline to time, not a
-comparator: rows are checked against ``csa::compressor_extend``.
+Written from the serving state's layout the way DeepSeek-V4's inference code writes it
+(write the token and its logit into the slot, pool the window when the token completes a
+block, shift the block for coff 2), with per-request positions and no data-dependent
+control flow, so it can be captured in a CUDA graph and compiled with ``fullgraph=True``. A
+baseline to time, not a comparator: rows are checked against ``csa::compressor_extend``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The DRAM traffic any csa::compressor_extend implementation must move, from SPEC 8's state
-layout: the floor that bench_serving.py sets beside its timings.
+"""The DRAM traffic any csa::compressor_extend implementation must move, from the serving
+state's layout: the floor that bench_serving.py sets beside its timings.
 
 Counted per request, in bytes: the new tokens (kv and score), the emitted rows, the old
 state's (entry, column half) pairs that emitted windows or moved entries read, and the new

@@ -1,8 +1,8 @@
 """Kernel timing of the streaming family on the current GPU.
 
 Per shape: forward and backward kernel time per call from CUDA-graph replays of 20 launches
-that rotate over input sets larger than 3x the device's L2, against the DRAM floor (SPEC 5
-bytes over the measured device-to-device copy bandwidth). Knob variants (--variants) are
+that rotate over input sets larger than 3x the device's L2, against the DRAM floor (the
+algorithmic bytes over the measured device-to-device copy bandwidth). Knob variants (--variants) are
 timed beside the default key. Prints a table; --json writes it.
 """
 

@@ -52,7 +52,8 @@ class Shape:
 
 
 def algorithmic_bytes(shape: Shape, itemsize: int) -> dict[str, int]:
-    """SPEC 5: each input read once, each output written once (ape and offsets ignored)."""
+    """The DRAM floor's bytes: each input read once, each output written once (ape and offsets
+    ignored)."""
     inputs = 2 * shape.tokens * shape.coff * shape.head_dim * itemsize  # kv + score
     rows = shape.rows * shape.head_dim * itemsize
     fwd = inputs + rows

@@ -1,6 +1,6 @@
 """Shared test utilities: pack builders and the eager region, the op's comparator.
 
-`eager_region` is SPEC section 3's formula as models write it (gathered windows,
+`eager_region` is the op's formula as models write it (gathered windows,
 `torch.softmax`, a weighted sum, autograd for the backward), run on its inputs' device; it
 shares no code with csa_ops.reference, so agreement between the two is evidence, not
 tautology. No expecttest import here: the GPU machine lacks it.
@@ -130,7 +130,7 @@ def spec_params(specs, marks=()):
     return [pytest.param(spec, id=spec_id(spec), marks=marks) for spec in specs]
 
 
-# Every ratio, coff and head_dim of the issue's matrix appears at least once; every pack has
+# Every ratio, coff and head_dim of the test matrix appears at least once; every pack has
 # at least one of: empty segment, segment shorter than ratio, tail, spare rows, spare tokens.
 MATRIX = (
     PackSpec((3, 0, 5), ratio=1, coff=1, head_dim=7, extra_tokens=2, extra_rows=2),
@@ -149,7 +149,7 @@ MATRIX = (
 
 
 def _window_tokens(cu_seqlens, ratio: int, coff: int):
-    """(rows, W) token of every window entry and whether the entry is real (SPEC 1). Row of
+    """(rows, W) token of every window entry and whether the entry is real. Row of
     block b of a segment, t0 = its first token: tokens t0 + k (coff 1), or t0 - ratio + k
     (coff 2: entries k < ratio are the previous block, which a segment's first block lacks)."""
     starts = [torch.zeros(0, dtype=torch.int64)]
@@ -166,9 +166,9 @@ def _window_tokens(cu_seqlens, ratio: int, coff: int):
 
 
 def region_windows(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int):
-    """(sg, kvg) of SPEC 3's eager region: the gathered (rows, W, d) windows in fp32 (fp64
-    for fp64 kv), sg = score upcast + ape upcast, -inf/0 where a segment's first block has
-    no previous block."""
+    """(sg, kvg) of the eager region, the numerics contract's comparator: the gathered
+    (rows, W, d) windows in fp32 (fp64 for fp64 kv), sg = score upcast + ape upcast, -inf/0
+    where a segment's first block has no previous block."""
     acc = torch.float64 if kv.dtype == torch.float64 else torch.float32
     head_dim = kv.shape[1] // coff
     token, valid = (t.to(kv.device) for t in _window_tokens(cu_seqlens, ratio, coff))
@@ -229,7 +229,7 @@ def cancel_near_threshold(pack: Pack, seed: int) -> torch.Tensor:
 
 def eager_region(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int, coff: int,
                  total_comp=None):
-    """SPEC 3: w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1) over region_windows,
+    """The eager region: w = softmax(sg, dim=1); out = (kvg * w).sum(dim=1) over region_windows,
     padding rows zero, rounded once to kv's dtype. Differentiable: the backward is torch
     autograd of this expression."""
     sg, kvg = region_windows(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)

@@ -1,8 +1,9 @@
 """Drivers for csa::compressor_extend tests on any device: whole sequences, random chunked
-schedules, the one-shot csa::compressor comparator and SPEC 8's state written out directly.
+schedules, the one-shot csa::compressor comparator and the documented slot state written
+out directly.
 
-`expected_state` is written from SPEC 8's state layout alone, from the raw tokens; it shares
-no code with csa_ops.reference_extend.
+`expected_state` is written from the state layout alone (docs/serving.md), from the raw
+tokens; it shares no code with csa_ops.reference_extend.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def check_forked_prompt(ratio: int, coff: int, head_dim: int, dtype, device, pro
 
 
 def expected_state(req: Requests, i: int, position: int):
-    """(kv, logits, specified) of request i's slot after ``position`` tokens, per SPEC 8."""
+    """(kv, logits, specified) of request i's slot after ``position`` tokens, per the state
+    layout."""
     r, window = req.ratio, req.coff * req.ratio
     kv = req.kv[i].new_zeros(window, req.width)
     logits = torch.full((window, req.width), float("-inf"), dtype=req.acc, device=req.device)
@@ -288,14 +290,16 @@ def unchecked_extend(*args):
 
 
 def valid_requests(cu, start, slots, num_tokens: int, num_slots: int) -> list:
-    """The requests SPEC 8 allows, from Python lists (written apart from the reference)."""
+    """The valid requests (slot in range, position >= 0, tokens inside the pack), from
+    Python lists (written apart from the reference)."""
     return [b for b in range(len(start))
             if 0 <= slots[b] < num_slots and start[b] >= 0 and 0 <= cu[b] <= cu[b + 1]
             <= num_tokens and start[b] + cu[b + 1] - cu[b] <= INT32_MAX]
 
 
 def rows_of(start: int, length: int, ratio: int) -> int:
-    """A request's rows as SPEC 8 counts them (negative positions and lengths as 0)."""
+    """A request's rows as the serving contract counts them (negative positions and
+    lengths as 0)."""
     start, length = max(start, 0), max(length, 0)
     return (start + length) // ratio - start // ratio
 

@@ -123,14 +123,14 @@ def test_time_extend_takes_variants_of_either_family(ratio, coff, family, knobs)
     assert keys["v"].family == family
 
 
-def test_floor_bytes_follow_spec(variants):
+def test_floor_bytes_read_inputs_once_and_write_outputs_once(variants):
     nbytes = variants.algorithmic_bytes(variants.Shape.parse("r4c2_1x8192_d128"), 2)
     inputs = 2 * 8192 * (2 * 128) * 2  # kv + score, bf16
     fwd = inputs + 2048 * 128 * 2
     assert nbytes == {"fwd": fwd, "bwd": fwd + inputs, "fwd+bwd": 2 * fwd + inputs}
 
 
-def test_serving_floor_bytes_follow_spec_8():
+def test_serving_floor_bytes_count_the_state_traffic():
     traffic = _bench_module("serving_traffic")
     d, es = 512, 2
     pair = d * (es + 4)  # one column half of a state entry: values and fp32 logits

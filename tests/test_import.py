@@ -1,4 +1,5 @@
-"""``import csa_ops`` is light (SPEC 7), and the first trace registers the Inductor lowering.
+"""``import csa_ops`` is light (at most 0.3 s over ``import torch``), and the first trace
+registers the Inductor lowering.
 
 Each check runs in a fresh interpreter: what a module imports depends on what the process
 imported before.
@@ -17,7 +18,7 @@ import pytest
 
 # Never imported by ``import csa_ops`` (beyond what ``import torch`` imported already).
 HEAVY = ("torch._inductor", "cutlass", "cuda", "csa_ops.lowering", "csa_ops.host")
-# SPEC 7 asks for 0.3 s on the H200's host; this bound leaves room for slow, shared CI boxes.
+# The budget is 0.3 s on the H200's host; this bound leaves room for slow, shared CI boxes.
 EXTRA_IMPORT_S = 1.0
 
 _IMPORT = """

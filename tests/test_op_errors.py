@@ -1,5 +1,5 @@
 """Bad input to csa::compressor / csa::compressor_backward: a ValueError/RuntimeError that
-names the argument (SPEC 2), with pinned wording; and degenerate but valid inputs."""
+names the argument and the expected value, with pinned wording; and degenerate but valid inputs."""
 
 from __future__ import annotations
 
@@ -15,25 +15,25 @@ from helpers import (
     op_forward_backward,
 )
 
-SPEC = PackSpec((6, 0, 5), ratio=2, coff=2, head_dim=3, extra_tokens=2, extra_rows=1)
-T, WIDTH = SPEC.num_tokens, SPEC.coff * SPEC.head_dim
+PACK = PackSpec((6, 0, 5), ratio=2, coff=2, head_dim=3, extra_tokens=2, extra_rows=1)
+T, WIDTH = PACK.num_tokens, PACK.coff * PACK.head_dim
 
 
 def _call(**changes):
     """Forward op on the base pack with some arguments replaced."""
-    pack = make_pack(SPEC)
+    pack = make_pack(PACK)
     args = {"kv": pack.kv, "score": pack.score, "ape": pack.ape, "cu_seqlens": pack.cu_seqlens,
-            "cu_seqlens_comp": pack.cu_seqlens_comp, "ratio": SPEC.ratio, "coff": SPEC.coff,
-            "total_comp": SPEC.capacity}
+            "cu_seqlens_comp": pack.cu_seqlens_comp, "ratio": PACK.ratio, "coff": PACK.coff,
+            "total_comp": PACK.capacity}
     args.update(changes)
     return lambda: torch.ops.csa.compressor(*args.values())
 
 
 def _call_backward(**changes):
-    pack = make_pack(SPEC)
+    pack = make_pack(PACK)
     args = {"grad_out": pack.grad_out(), "kv": pack.kv, "score": pack.score, "ape": pack.ape,
             "cu_seqlens": pack.cu_seqlens, "cu_seqlens_comp": pack.cu_seqlens_comp,
-            "ratio": SPEC.ratio, "coff": SPEC.coff}
+            "ratio": PACK.ratio, "coff": PACK.coff}
     args.update(changes)
     return lambda: torch.ops.csa.compressor_backward(*args.values())
 
@@ -51,12 +51,12 @@ def _meta(*shape, dtype=torch.float32):
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-CU, CUC = offsets(SPEC.lengths, SPEC.ratio)
+CU, CUC = offsets(PACK.lengths, PACK.ratio)
 
 # id -> (call, the argument name the message must carry in backticks)
 FORWARD_CASES = {
     "kv_rank_1": (_call(kv=torch.zeros(T * WIDTH)), "kv"),
-    "kv_rank_3": (_call(kv=torch.zeros(T, SPEC.coff, SPEC.head_dim)), "kv"),
+    "kv_rank_3": (_call(kv=torch.zeros(T, PACK.coff, PACK.head_dim)), "kv"),
     "kv_dtype_int": (_call(kv=torch.zeros(T, WIDTH, dtype=torch.int32)), "kv"),
     "kv_width_not_multiple_of_coff": (_call(kv=torch.zeros(T, 7), score=torch.zeros(T, 7)),
                                       "kv"),
@@ -66,16 +66,16 @@ FORWARD_CASES = {
     "score_rank_1": (_call(score=torch.zeros(T * WIDTH)), "score"),
     "score_dtype": (_call(score=torch.zeros(T, WIDTH, dtype=torch.bfloat16)), "score"),
     "score_device": (_call(score=_meta(T, WIDTH)), "score"),
-    "ape_rows": (_call(ape=torch.zeros(SPEC.ratio + 1, WIDTH)), "ape"),
-    "ape_width": (_call(ape=torch.zeros(SPEC.ratio, SPEC.head_dim)), "ape"),
-    "ape_rank_1": (_call(ape=torch.zeros(SPEC.ratio * WIDTH)), "ape"),
-    "ape_dtype_int": (_call(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.int32)), "ape"),
-    "ape_fp64_with_fp32_kv": (_call(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.float64)),
+    "ape_rows": (_call(ape=torch.zeros(PACK.ratio + 1, WIDTH)), "ape"),
+    "ape_width": (_call(ape=torch.zeros(PACK.ratio, PACK.head_dim)), "ape"),
+    "ape_rank_1": (_call(ape=torch.zeros(PACK.ratio * WIDTH)), "ape"),
+    "ape_dtype_int": (_call(ape=torch.zeros(PACK.ratio, WIDTH, dtype=torch.int32)), "ape"),
+    "ape_fp64_with_fp32_kv": (_call(ape=torch.zeros(PACK.ratio, WIDTH, dtype=torch.float64)),
                               "ape"),
     "ape_dtype_int_fp64_kv": (_call(kv=torch.zeros(T, WIDTH, dtype=torch.float64),
                                     score=torch.zeros(T, WIDTH, dtype=torch.float64),
-                                    ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.int64)), "ape"),
-    "ape_device": (_call(ape=_meta(SPEC.ratio, WIDTH)), "ape"),
+                                    ape=torch.zeros(PACK.ratio, WIDTH, dtype=torch.int64)), "ape"),
+    "ape_device": (_call(ape=_meta(PACK.ratio, WIDTH)), "ape"),
     "cu_dtype_int64": (_call(cu_seqlens=CU.long()), "cu_seqlens"),
     "cuc_dtype_int64": (_call(cu_seqlens_comp=CUC.long()), "cu_seqlens_comp"),
     "cu_rank_2": (_call(cu_seqlens=CU[None]), "cu_seqlens"),
@@ -88,13 +88,13 @@ FORWARD_CASES = {
     "coff_zero": (_call(coff=0), "coff"),
     "coff_three": (_call(coff=3), "coff"),
     "total_comp_negative": (_call(total_comp=-1), "total_comp"),
-    "total_comp_below_true_count": (_call(total_comp=SPEC.true_rows - 1), "total_comp"),
-    "total_comp_overflows_int32": (_call(total_comp=2**31 // SPEC.head_dim + 1), "total_comp"),
+    "total_comp_below_true_count": (_call(total_comp=PACK.true_rows - 1), "total_comp"),
+    "total_comp_overflows_int32": (_call(total_comp=2**31 // PACK.head_dim + 1), "total_comp"),
     "kv_overflows_int32_expanded": (_call(kv=_huge(2**31 // WIDTH + 1),
                                           score=_huge(2**31 // WIDTH + 1)), "kv"),
     "kv_overflows_int32_meta": (_call(kv=_meta(2**31 // WIDTH + 1, WIDTH),
                                       score=_meta(2**31 // WIDTH + 1, WIDTH),
-                                      ape=_meta(SPEC.ratio, WIDTH),
+                                      ape=_meta(PACK.ratio, WIDTH),
                                       cu_seqlens=CU.to("meta"), cu_seqlens_comp=CUC.to("meta")),
                                 "kv"),
     "cu_first_not_zero": (_call(cu_seqlens=_cu([1, 6, 6, 11])), "cu_seqlens[0]"),
@@ -108,18 +108,18 @@ FORWARD_CASES = {
 }
 
 BACKWARD_CASES = {
-    "grad_out_width": (_call_backward(grad_out=torch.zeros(SPEC.capacity, SPEC.head_dim + 1)),
+    "grad_out_width": (_call_backward(grad_out=torch.zeros(PACK.capacity, PACK.head_dim + 1)),
                        "grad_out"),
-    "grad_out_rank_1": (_call_backward(grad_out=torch.zeros(SPEC.capacity)), "grad_out"),
-    "grad_out_dtype": (_call_backward(grad_out=torch.zeros(SPEC.capacity, SPEC.head_dim,
+    "grad_out_rank_1": (_call_backward(grad_out=torch.zeros(PACK.capacity)), "grad_out"),
+    "grad_out_dtype": (_call_backward(grad_out=torch.zeros(PACK.capacity, PACK.head_dim,
                                                            dtype=torch.float64)), "grad_out"),
-    "grad_out_device": (_call_backward(grad_out=_meta(SPEC.capacity, SPEC.head_dim)),
+    "grad_out_device": (_call_backward(grad_out=_meta(PACK.capacity, PACK.head_dim)),
                         "grad_out"),
     # The backward op has no total_comp: its row count is grad_out's, so name grad_out.
     "grad_out_fewer_rows_than_true_count": (
-        _call_backward(grad_out=torch.zeros(SPEC.true_rows - 1, SPEC.head_dim)), "grad_out"),
+        _call_backward(grad_out=torch.zeros(PACK.true_rows - 1, PACK.head_dim)), "grad_out"),
     "backward_kv_dtype": (_call_backward(kv=torch.zeros(T, WIDTH, dtype=torch.int64)), "kv"),
-    "backward_ape_dtype": (_call_backward(ape=torch.zeros(SPEC.ratio, WIDTH, dtype=torch.bool)),
+    "backward_ape_dtype": (_call_backward(ape=torch.zeros(PACK.ratio, WIDTH, dtype=torch.bool)),
                            "ape"),
     "backward_ratio_zero": (_call_backward(ratio=0), "ratio"),
     "backward_cuc_not_len_over_ratio": (_call_backward(cu_seqlens_comp=_cu([0, 3, 3, 6])),
@@ -242,17 +242,17 @@ def test_meta_tensors_give_output_shapes():
     cu = _meta(4, dtype=torch.int32)
     out = torch.ops.csa.compressor(_meta(T, WIDTH), _meta(T, WIDTH), _meta(2, WIDTH), cu, cu,
                                    2, 2, 9)
-    assert out.shape == (9, SPEC.head_dim) and out.device.type == "meta"
-    grads = torch.ops.csa.compressor_backward(_meta(9, SPEC.head_dim), _meta(T, WIDTH),
+    assert out.shape == (9, PACK.head_dim) and out.device.type == "meta"
+    grads = torch.ops.csa.compressor_backward(_meta(9, PACK.head_dim), _meta(T, WIDTH),
                                               _meta(T, WIDTH), _meta(2, WIDTH), cu, cu, 2, 2)
     assert [tuple(g.shape) for g in grads] == [(T, WIDTH), (T, WIDTH), (2, WIDTH)]
 
 
 def test_double_backward_says_it_is_not_implemented():
-    pack = make_pack(SPEC)
+    pack = make_pack(PACK)
     kv = pack.kv.detach().requires_grad_()
     out = torch.ops.csa.compressor(kv, pack.score, pack.ape, pack.cu_seqlens,
-                                   pack.cu_seqlens_comp, SPEC.ratio, SPEC.coff, SPEC.capacity)
+                                   pack.cu_seqlens_comp, PACK.ratio, PACK.coff, PACK.capacity)
     (grad_kv,) = torch.autograd.grad(out.sum(), kv, create_graph=True)
     with pytest.raises(NotImplementedError, match=r"csa\.compressor_backward: double backward"):
         grad_kv.sum().backward()

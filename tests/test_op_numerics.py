@@ -337,7 +337,8 @@ def test_offsets_for_and_public_wrapper(lengths):
 
 
 def test_autograd_saves_only_the_inputs():
-    """SPEC 2: the forward saves its inputs, never (rows, window, d) probabilities."""
+    """The forward saves its inputs, never (rows, window, d) probabilities: the backward
+    recomputes them."""
     pack = make_pack(MATRIX[6])
     kv, score, ape = pack.leaves()
     saved = []

@@ -1,8 +1,9 @@
-"""csa::compressor_extend on the CPU: SPEC 8's invariant, errors, opcheck, compile, helpers.
+"""csa::compressor_extend on the CPU: the serving invariant, errors, opcheck, compile, helpers.
 
 The invariant: any chunking of the requests' tokens into calls (pieces of length 0 and 1,
 mixed prefill/decode batches, permuted slots) emits rows bit-identical to one
-csa::compressor call over the whole sequences and leaves each slot holding SPEC 8's state.
+csa::compressor call over the whole sequences and leaves each slot holding the documented
+state (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def test_state_equals_one_call_over_all_tokens(ratio, coff):
     whole = CompressorState(6, ratio, coff, 5, torch.bfloat16)
     rows, _ = run_schedule(req, [[(i, n) for i, n in enumerate(lengths)]], whole, slot_of)
     assert_rows(req, rows, assert_bitwise_equal)
-    # Only SPEC 8's entries are specified: the current block (and the last complete one).
+    # Only the state layout's entries are specified: the current block (and the last complete
+    # one).
     for i, n in enumerate(lengths):
         m = n % ratio
         entries = list(range(ratio * (coff - 1), ratio * (coff - 1) + m))

@@ -12,7 +12,7 @@
 #   KNOBS         bench/time_kernels.py --knobs variants of the default keys ("pdl=0;linear=0")
 #   SWEEP_SHAPES  shapes (comma separated) whose window keys are all timed (--sweep)
 #   SWEEP_DIRS    directions of those sweeps (default "fwd,bwd")
-#   BENCH_SHAPES  bench shapes (comma separated; default the SPEC list), BENCH_SKIP variants
+#   BENCH_SHAPES  bench shapes (comma separated; default the production list), BENCH_SKIP variants
 #   T_TESTS, T_BENCH  per-stage limits in seconds
 # Logs land in $OUT/logs; $OUT/summary.txt has one line per job.
 set -u
@@ -93,7 +93,7 @@ if wants bench; then
     --out "$OUT/bench" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
     ${BENCH_SKIP:+--skip "$BENCH_SKIP"}
 fi
-if wants lbench; then  # the lowering modes' rows (issue 6): extern, generate, auto +RMSNorm
+if wants lbench; then  # the lowering modes' rows: extern, generate, auto +RMSNorm
   run lbench "${T_LBENCH:-330}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
     --out "$OUT/bench-lowering" --variants "${LBENCH_VARIANTS:-[extern],[generate],+RMSNorm}" \
     --shapes "${LBENCH_SHAPES:-r4c2_1x8192_d128,r4c2_3x8192_d512,r128c1_1x65536_d128}"

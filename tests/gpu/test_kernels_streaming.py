@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 # Windows 32..512, both coffs; empty and short segments, tails, spare rows and tokens, odd and
 # small head dims.
-SPECS = (
+PACKS = (
     PackSpec((300, 0, 127, 128, 1000), ratio=128, coff=1, head_dim=128, extra_tokens=5,
              extra_rows=3),
     PackSpec((260, 50, 0, 129, 700), ratio=128, coff=2, head_dim=128, extra_rows=2),
@@ -144,8 +144,8 @@ def _compare(pack, grad_out, dtype, groups=None, **knobs):
 
 
 CASES = [pytest.param(s, torch.bfloat16, id=f"{p.id}-bf16")
-         for s, p in zip(SPECS, spec_params(SPECS))]
-CASES += [pytest.param(SPECS[i], torch.float16, id=f"{spec_params(SPECS)[i].id}-fp16")
+         for s, p in zip(PACKS, spec_params(PACKS))]
+CASES += [pytest.param(PACKS[i], torch.float16, id=f"{spec_params(PACKS)[i].id}-fp16")
           for i in (1, 7)]
 
 
@@ -267,7 +267,7 @@ def test_host_selects_streaming_and_matches():
     torch.testing.assert_close(gape, ref[2], atol=1e-3, rtol=1e-3)
 
 
-# ---------------------------------------------------------------- torch's order (SPEC 3)
+# ------------------------------------------- torch's order (the streaming forward's fallback)
 ORDER_WINDOWS = (10, 32, 48, 64, 100, 128, 256)
 ORDER_HEAD_DIMS = (512, 130, 128, 96, 65, 64, 33, 32, 7)
 

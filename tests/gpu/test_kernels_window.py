@@ -1,4 +1,4 @@
-"""Register-window CuTe-DSL kernels against torch's eager region on the same GPU (SPEC 3).
+"""Register-window CuTe-DSL kernels against torch's eager region on the same GPU.
 
 grad_kv / grad_score must match torch's eager autograd of the formula bit for bit (the
 reference mirrors torch's CPU operation order, which differs from its CUDA one in rare last
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # Ragged packs: empty segments, segments shorter than ratio, tails, spare rows (padding) and
 # spare tokens (token capacity), odd and tiny head dims, every ratio/coff of the family.
-SPECS = (
+PACKS = (
     PackSpec((3, 0, 5), ratio=1, coff=1, head_dim=7, extra_tokens=2, extra_rows=2),
     PackSpec((4, 1, 0, 2), ratio=1, coff=2, head_dim=1, extra_rows=1),
     PackSpec((5, 0, 1, 8), ratio=2, coff=2, head_dim=65, extra_tokens=3, extra_rows=1),
@@ -45,7 +45,7 @@ SPECS = (
     PackSpec((70, 31, 64), ratio=32, coff=1, head_dim=130, extra_rows=1),
     PackSpec((4096,), ratio=4, coff=2, head_dim=512),
 )
-ACTIVE = [s for s in SPECS if s.ratio * s.coff <= WINDOW_MAX]
+ACTIVE = [s for s in PACKS if s.ratio * s.coff <= WINDOW_MAX]
 
 
 def _poison_allocator(nbytes: int = 1 << 26) -> None:

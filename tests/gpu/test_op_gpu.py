@@ -1,4 +1,4 @@
-"""csa::compressor on CUDA against the eager region (SPEC 3, helpers.eager_region) on the
+"""csa::compressor on CUDA against the eager region (helpers.eager_region) on the
 production shapes and ragged packs, and against the fp32-intermediate reference run on the
 same GPU: forward within one rounding step, grad_kv/grad_score bitwise at small windows,
 grad_ape within 1e-3, bitwise determinism, full output coverage (NaN-prefilled memory),
@@ -67,7 +67,8 @@ def _mean_error(x, oracle):
     return float((x.double() - oracle).abs().mean())
 
 
-# SPEC 3 against the eager region: bitwise gradients up to this window (coff * ratio).
+# The numerics contract against the eager region: bitwise gradients up to this window
+# (coff * ratio).
 BITWISE_WINDOW_MAX = 8
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # (pack, dtype, ape dtype). Ragged packs hold empty segments, segments of 1 and ratio - 1
@@ -98,7 +99,7 @@ REGION_CASES = [
 
 
 def _assert_no_further_from_oracle(actual, region, oracle, name):
-    """SPEC 3, larger windows: at least as close to fp64 as the eager region (mean error,
+    """Larger windows: at least as close to fp64 as the eager region (mean error,
     with 1% for the noise of two roundings of one value)."""
     assert _mean_error(actual, oracle) <= 1.01 * _mean_error(region, oracle) + 1e-12, name
 
@@ -155,8 +156,8 @@ def test_backward_matches_reference(spec, dtype):
     _, grad_kv, grad_score, grad_ape = _op(pack, grad_out)
     _, ref_kv, ref_score, ref_ape = _reference(pack, grad_out)
     if spec.ratio < BITWISE_RATIO_LIMIT:
-        # Bit for bit torch's CUDA autograd (SPEC 3), whose softmax backward orders its
-        # operations differently from the reference's CPU order.
+        # Bit for bit torch's CUDA autograd (the numerics contract), whose softmax backward
+        # orders its operations differently from the reference's CPU order.
         _, eager_kv, eager_score, _ = eager_forward_backward(pack, grad_out)
         assert_bitwise_equal(grad_kv, eager_kv, "grad_kv")
         assert_bitwise_equal(grad_score, eager_score, "grad_score")

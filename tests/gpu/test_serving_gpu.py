@@ -1,4 +1,4 @@
-"""csa::compressor_extend on CUDA: SPEC 8's invariant against the CUDA csa::compressor,
+"""csa::compressor_extend on CUDA: the serving invariant against the CUDA csa::compressor,
 a decode step in a CUDA graph, no host sync, and memory safety for any slots and positions
 (run the `adversarial` tests under compute-sanitizer memcheck)."""
 
@@ -52,7 +52,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_chunked_extend_matches_cuda_compressor(case):
-    """Bitwise against the CUDA csa::compressor over whole sequences: SPEC 8's contract."""
+    """Bitwise against the CUDA csa::compressor over whole sequences: the serving contract."""
     ratio, coff, head_dim, dtype, lengths, tail, extra_rows = case
     req = make_requests(lengths, ratio, coff, head_dim, dtype, device="cuda", seed=1)
     slot_of = permuted_slots(len(lengths), len(lengths) + 5, 1)
@@ -184,7 +184,7 @@ def test_many_requests_count_rows_over_several_chunks(ratio, coff):
     steps. Each thread counts the rows of several chunks of requests (Batch.load_counts),
     the last one partial: in the first call's batch scans and in the steps' row sums
     (register windows) or scans (streaming). Rows, cu_seqlens_comp, padding and state
-    bitwise against the one-shot csa::compressor and SPEC 8's state."""
+    bitwise against the one-shot csa::compressor and the documented state."""
     from csa_ops import host
     from csa_ops.kernels import requests
 
