@@ -1,0 +1,375 @@
+"""The fused epilogue's composition in plain torch: RMSNorm, RoPE, rotation, cache formats.
+
+One source of truth for what the epilogue ops compute on a pooled row (docs/epilogue.md):
+the forward and its hand-written backward, the fp64 oracle, row positions, and the byte
+encoders and decoders of the cache formats. Every step computes in the accumulation dtype
+(fp32; fp64 for fp64 rows) from values of the row dtype and rounds back to it. Nothing here
+reads tensor contents on the host, so no function synchronizes a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .reference import accumulate_dtype
+
+FORMATS = ("none", "fp8_ds_mla", "fp8_block128", "mxfp4")
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+DS_MLA_HEAD_DIM, DS_MLA_ROPE_DIM = 512, 64
+DS_MLA_FP8_DIM = DS_MLA_HEAD_DIM - DS_MLA_ROPE_DIM  # 448 columns in 7 blocks of 64
+DS_MLA_BLOCK = 64
+DS_MLA_ROW_BYTES = DS_MLA_FP8_DIM + 2 * DS_MLA_ROPE_DIM  # 576
+DS_MLA_SCALE_BYTES = 8  # 7 UE8M0 bytes and one zero byte per row
+DS_MLA_SCALE_FLOOR = 1e-4
+BLOCK128, MX_BLOCK = 128, 32
+MX_AMAX_FLOOR = FP4_MAX * 2.0**-126
+E4M3_NAN, UE8M0_NAN = 0x7F, 0xFF
+# e2m1 magnitudes by code 0..7; bit 3 of a code is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class EpilogueParams:
+    """What the epilogue applies to a pooled row: RMSNorm weight and eps, RoPE tables on the
+    last ``rope_dim`` columns (unread when 0), and whether to rotate."""
+
+    norm_weight: torch.Tensor
+    eps: float
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    rope_dim: int
+    rotate: bool
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """(N, 1) mean over the last dim in a fixed order that no row count or device changes:
+    a pairwise tree (column j plus column j + w/2 of the first w columns, w halving from d
+    padded with zeros to a power of two), then one division by d. torch's own reductions
+    may pick their order by the tensor's shape, so a row could round differently in a
+    decode step than in a prefill."""
+    d = x.shape[-1]
+    width = 1 << max(d - 1, 0).bit_length()
+    total = torch.nn.functional.pad(x, (0, width - d)) if width != d else x
+    while width > 1:
+        width //= 2
+        total = total[:, :width] + total[:, width:]
+    return total / d
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N, 1) rsqrt(mean(x^2) + eps), eps rounded to x's dtype."""
+    return torch.rsqrt(row_mean(x.square()) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x * rsqrt(mean(x^2) + eps)) * weight`` over the last dim, in x's dtype."""
+    return x * inverse_rms(x, eps) * weight
+
+
+def _pairs(x: torch.Tensor, rope_dim: int):
+    """(head, even, odd): the columns before the RoPE slice and its interleaved pairs."""
+    head = x[:, :x.shape[1] - rope_dim]
+    tail = x[:, x.shape[1] - rope_dim:].reshape(x.shape[0], rope_dim // 2, 2)
+    return head, tail[..., 0], tail[..., 1]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
+         transpose: bool = False) -> torch.Tensor:
+    """GPT-J RoPE on the last ``rope_dim`` columns: pair i = (x[2i], x[2i+1]) of the slice
+    turned by the angle whose (N, rope_dim/2) cos and sin are given; ``transpose`` turns it
+    back (the backward). Each output is two products and one add, rounded separately."""
+    head, even, odd = _pairs(x, rope_dim)
+    if transpose:
+        new_even, new_odd = even * cos + odd * sin, odd * cos - even * sin
+    else:
+        new_even, new_odd = even * cos - odd * sin, even * sin + odd * cos
+    tail = torch.stack((new_even, new_odd), dim=-1).reshape(x.shape[0], rope_dim)
+    return torch.cat((head, tail), dim=1)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Walsh-Hadamard transform over the last dim (a power of two, Sylvester order:
+    H[i, j] = (-1)^popcount(i & j)) times d**-0.5: butterflies of stride 1, 2, 4, ...,
+    then one multiply by the scale rounded to x's dtype. H is symmetric, so this is its
+    own transpose (the backward)."""
+    rows, d = x.shape
+    stride = 1
+    while stride < d:
+        pairs = x.reshape(rows, d // (2 * stride), 2, stride)
+        low, high = pairs[:, :, 0], pairs[:, :, 1]
+        x = torch.stack((low + high, low - high), dim=2).reshape(rows, d)
+        stride *= 2
+    return x * d**-0.5
+
+
+def _tables(params: EpilogueParams, positions: torch.Tensor, acc: torch.dtype):
+    """cos and sin rows at ``positions``, clamped into the tables: a position outside them
+    is an error where checking is free (CPU) and never an access out of bounds elsewhere."""
+    index = positions.clamp(0, params.cos.shape[0] - 1)
+    return params.cos[index].to(acc), params.sin[index].to(acc)
+
+
+def epilogue_rows(pooled: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                  params: EpilogueParams) -> torch.Tensor:
+    """The epilogue of (N, d) pooled rows in their dtype: RMSNorm, RoPE at ``positions``
+    (N,) int64, rotation, each computed in the accumulation dtype from the previous step's
+    rounded values and rounded to the row dtype. Rows where ``valid`` is False are exact
+    zeros (padding rows carry no data, whatever the norm would make of them)."""
+    dtype = pooled.dtype
+    acc = accumulate_dtype(dtype)
+    x = rms_norm(pooled.to(acc), params.norm_weight.to(acc), params.eps).to(dtype)
+    if params.rope_dim:
+        cos, sin = _tables(params, positions, acc)
+        x = rope(x.to(acc), cos, sin, params.rope_dim).to(dtype)
+    if params.rotate:
+        x = hadamard(x.to(acc)).to(dtype)
+    return torch.where(valid[:, None], x, 0.0)
+
+
+def epilogue_rows_backward(grad_out: torch.Tensor, pooled: torch.Tensor,
+                           positions: torch.Tensor, valid: torch.Tensor,
+                           params: EpilogueParams):
+    """(grad_pooled in the row dtype, grad_weight in the weight's dtype): the exact gradient
+    of ``epilogue_rows``. Every forward rounding to the row dtype rounds the gradient there
+    too, as torch autograd of the composition does; grad_weight is a column sum over rows
+    in torch's fixed reduction order (no atomics)."""
+    dtype = pooled.dtype
+    acc = accumulate_dtype(dtype)
+    weight = params.norm_weight.to(acc)
+    # Padding rows are constants: their incoming gradient is dropped, not propagated.
+    g = torch.where(valid[:, None], grad_out.to(acc), 0.0)
+    if params.rotate:
+        g = hadamard(g).to(dtype).to(acc)
+    if params.rope_dim:
+        cos, sin = _tables(params, positions, acc)
+        g = rope(g, cos, sin, params.rope_dim, transpose=True).to(dtype).to(acc)
+    x = pooled.to(acc)
+    inv_rms = inverse_rms(x, params.eps)
+    normed = x * inv_rms
+    grad_weight = (g * normed).sum(0)
+    scaled = g * weight
+    # d/dx of x * r(x), r = rsqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
+    grad_x = (scaled - normed * row_mean(normed * scaled)) * inv_rms
+    grad_x = torch.where(valid[:, None], grad_x, 0.0)
+    return grad_x.to(dtype), grad_weight.to(params.norm_weight.dtype)
+
+
+def training_positions(cu_seqlens_comp: torch.Tensor, position_offset: torch.Tensor | None,
+                       rows: int, ratio: int):
+    """(positions, valid) of ``rows`` output rows: row b of sequence s sits at
+    ``b * ratio + position_offset[s]`` (its block's first token); rows past
+    cu_seqlens_comp[-1] are padding (valid False)."""
+    cuc = cu_seqlens_comp.long()
+    n = torch.arange(rows, device=cuc.device)
+    valid = n < cuc[-1]
+    num_segments = cuc.numel() - 1
+    if num_segments == 0:
+        return torch.zeros_like(n), valid
+    segment = torch.searchsorted(cuc[1:].contiguous(), n, right=True).clamp(max=num_segments - 1)
+    positions = (n - cuc[segment]) * ratio
+    if position_offset is not None:
+        positions = positions + position_offset.long()[segment]
+    return positions, valid
+
+
+def compressor_epilogue_reference(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int,
+                                  coff: int, params: EpilogueParams, position_offset=None,
+                                  total_comp=None) -> torch.Tensor:
+    """The training op's composition: csa::compressor's rows (the op itself, so its CUDA
+    kernel on CUDA), then ``epilogue_rows``."""
+    pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                              ratio, coff, total_comp)
+    positions, valid = training_positions(cu_seqlens_comp, position_offset, pooled.shape[0],
+                                          ratio)
+    return epilogue_rows(pooled, positions, valid, params)
+
+
+def compressor_epilogue_oracle(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int,
+                               coff: int, params: EpilogueParams, position_offset=None,
+                               total_comp=None) -> torch.Tensor:
+    """fp64 ground truth: the fp64 pooled rows (no rounding) through the fp64 epilogue."""
+    from .reference import compressor_oracle
+
+    pooled = compressor_oracle(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                               total_comp)
+    positions, valid = training_positions(cu_seqlens_comp, position_offset, pooled.shape[0],
+                                          ratio)
+    return epilogue_rows(pooled, positions, valid, params)
+
+
+# ---------------------------------------------------------------------------------------
+# Cache formats. Encoders take (N, d) rows and return uint8 bytes per row; decoders return
+# fp32 values. A block holding a NaN or an Inf stores the NaN scale (UE8M0 0xFF, fp32 NaN)
+# and NaN or zero element codes, so it decodes to NaN, never to clean-looking values.
+
+
+def ceil_log2(v: torch.Tensor) -> torch.Tensor:
+    """Exact ceil(log2(v)) (int32) of positive finite fp32 values, from their bits."""
+    mantissa, exponent = torch.frexp(v)  # v = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.where(mantissa == 0.5, exponent - 1, exponent)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e4m3fn bytes: clamped to +-448 (saturating), then rounded to nearest even."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Finite fp32 -> e2m1 codes (uint8, 0..15): magnitudes clamped to 6 (saturating), then
+    rounded to nearest even onto {0, 0.5, 1, 1.5, 2, 3, 4, 6}; the sign bit is x's (a value
+    that rounds to zero keeps it). Each range's grid is uniform and scaling by a power of
+    two is exact, so torch.round (half to even) on the scaled magnitude is the rounding."""
+    magnitude = x.abs().clamp(max=FP4_MAX)
+    code = torch.where(magnitude < 2.0, torch.round(magnitude * 2.0),
+                       torch.where(magnitude < 4.0, torch.round(magnitude) + 2.0,
+                                   torch.round(magnitude * 0.5) + 4.0))
+    return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = values[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def decode_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> fp32 2**(byte - 127); 0xFF is NaN."""
+    value = _pow2(scale.to(torch.int32) - 127)
+    return torch.where(scale == UE8M0_NAN, float("nan"), value)
+
+
+def _pow2_blocks(x: torch.Tensor, block: int, floor: float, top: float):
+    """(scaled values, UE8M0 bytes, finite) of (N, k*block) fp32 values in blocks of
+    ``block``: scale 2**ceil(log2(max(amax, floor) / top)), the quotient rounded to fp32."""
+    blocks = x.reshape(x.shape[0], -1, block)
+    amax = blocks.abs().amax(-1)
+    finite = torch.isfinite(amax)
+    exponent = torch.where(finite, ceil_log2(amax.clamp(min=floor) / top), 0)
+    scaled = blocks * _pow2(-exponent)[..., None]  # exact: a power of two in range
+    scale = torch.where(finite, exponent + 127, UE8M0_NAN).to(torch.uint8)
+    return scaled, scale, finite
+
+
+def encode_fp8_ds_mla(rows: torch.Tensor):
+    """(N, 512) rows -> ((N, 576) row bytes, (N, 8) scale bytes): columns [0, 448) as e4m3
+    in 7 blocks of 64 with UE8M0 scales (floor 1e-4), then the 64 RoPE columns as bf16."""
+    x = rows[:, :DS_MLA_FP8_DIM].to(torch.float32)
+    scaled, scale, finite = _pow2_blocks(x, DS_MLA_BLOCK, DS_MLA_SCALE_FLOOR, FP8_MAX)
+    codes = torch.where(finite[..., None], encode_e4m3(scaled), E4M3_NAN)
+    rope_bytes = rows[:, DS_MLA_FP8_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    data = torch.cat((codes.reshape(rows.shape[0], -1), rope_bytes), dim=1)
+    scales = torch.cat((scale, scale.new_zeros(rows.shape[0], 1)), dim=1)
+    return data, scales
+
+
+def decode_fp8_ds_mla(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    codes = data[:, :DS_MLA_FP8_DIM].reshape(data.shape[0], -1, DS_MLA_BLOCK)
+    values = decode_e4m3(codes) * decode_ue8m0(scales[:, :-1])[..., None]
+    rope_part = data[:, DS_MLA_FP8_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)
+    return torch.cat((values.reshape(data.shape[0], -1), rope_part), dim=1)
+
+
+def encode_fp8_block128(rows: torch.Tensor) -> torch.Tensor:
+    """(N, d) rows -> (N, d + 4*d/128) bytes: e4m3 codes of x / scale, then the fp32 scales
+    amax / 448 of each 128 values (little-endian). A block whose scale is 0 (amax zero, or
+    so small that amax / 448 underflows) stores zero codes and scale 0: it decodes to
+    exact zeros."""
+    x = rows.to(torch.float32)
+    blocks = x.reshape(x.shape[0], -1, BLOCK128)
+    scale = blocks.abs().amax(-1) / FP8_MAX
+    finite = torch.isfinite(scale)
+    usable = (finite & (scale > 0))[..., None]
+    codes = encode_e4m3(blocks / torch.where(usable, scale[..., None], 1.0))
+    codes = torch.where(usable, codes, torch.where(finite[..., None], 0, E4M3_NAN))
+    scale = torch.where(finite, scale, float("nan"))
+    return torch.cat((codes.reshape(x.shape[0], -1).to(torch.uint8),
+                      scale.contiguous().view(torch.uint8)), dim=1)
+
+
+def decode_fp8_block128(data: torch.Tensor) -> torch.Tensor:
+    d = data.shape[1] * BLOCK128 // (BLOCK128 + 4)
+    codes = data[:, :d].reshape(data.shape[0], -1, BLOCK128)
+    scale = data[:, d:].contiguous().view(torch.float32)
+    return (decode_e4m3(codes) * scale[..., None]).reshape(data.shape[0], d)
+
+
+def encode_mxfp4(rows: torch.Tensor) -> torch.Tensor:
+    """(N, d) rows -> (N, d/2 + d/32) bytes: e2m1 codes two per byte (low nibble first) of
+    x / scale, then one UE8M0 scale 2**ceil(log2(max(amax, 6*2**-126) / 6)) per 32 values.
+    A block holding a NaN or an Inf stores zero codes and the NaN scale."""
+    x = rows.to(torch.float32)
+    scaled, scale, finite = _pow2_blocks(x, MX_BLOCK, MX_AMAX_FLOOR, FP4_MAX)
+    codes = torch.where(finite[..., None], encode_e2m1(torch.where(finite[..., None], scaled,
+                                                                   0.0)), 0)
+    codes = codes.reshape(x.shape[0], -1)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return torch.cat((packed, scale), dim=1)
+
+
+def decode_mxfp4(data: torch.Tensor) -> torch.Tensor:
+    d = data.shape[1] * MX_BLOCK // (MX_BLOCK // 2 + 1)
+    packed = data[:, :d // 2]
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(data.shape[0], -1, MX_BLOCK)
+    scale = decode_ue8m0(data[:, d // 2:])
+    return (decode_e2m1(codes) * scale[..., None]).reshape(data.shape[0], d)
+
+
+def ds_mla_page_bytes(page_size: int) -> int:
+    """Bytes of an fp8_ds_mla page of ``page_size`` rows (576 bytes each, then 8 scale bytes
+    each), rounded up to a multiple of 576."""
+    used = page_size * (DS_MLA_ROW_BYTES + DS_MLA_SCALE_BYTES)
+    return -(-used // DS_MLA_ROW_BYTES) * DS_MLA_ROW_BYTES
+
+
+def row_bytes(cache_format: str, head_dim: int) -> int:
+    """Bytes per cache row of the per-row formats (fp8_block128, mxfp4)."""
+    if cache_format == "fp8_block128":
+        return head_dim + 4 * (head_dim // BLOCK128)
+    return head_dim // 2 + head_dim // MX_BLOCK
+
+
+def ds_mla_views(cache: torch.Tensor, page_size: int):
+    """(data, scales) views (num_pages, page_size, 576) and (num_pages, page_size, 8) of an
+    fp8_ds_mla cache (num_pages, page_bytes): rows first, then their scales."""
+    num_pages = cache.shape[0]
+    rows_end = page_size * DS_MLA_ROW_BYTES
+    data = cache[:, :rows_end].view(num_pages, page_size, DS_MLA_ROW_BYTES)
+    scales_end = rows_end + page_size * DS_MLA_SCALE_BYTES
+    scales = cache[:, rows_end:scales_end].view(num_pages, page_size, DS_MLA_SCALE_BYTES)
+    return data, scales
+
+
+def encode_rows(rows: torch.Tensor, cache_format: str):
+    """Per format, the tensors one cache row is made of: (rows,) for none, (data, scales)
+    for fp8_ds_mla, (bytes,) otherwise."""
+    if cache_format == "none":
+        return (rows,)
+    if cache_format == "fp8_ds_mla":
+        return encode_fp8_ds_mla(rows)
+    if cache_format == "fp8_block128":
+        return (encode_fp8_block128(rows),)
+    return (encode_mxfp4(rows),)
+
+
+def dequantize_cache(cache: torch.Tensor, cache_format: str, page_size: int) -> torch.Tensor:
+    """Every cache row, (num_pages * page_size, d): cache row ``page * page_size + slot``
+    in the cache's dtype for none, as fp32 values for the quantized formats."""
+    if cache_format == "none":
+        return cache.reshape(-1, cache.shape[-1])
+    if cache_format == "fp8_ds_mla":
+        data, scales = ds_mla_views(cache, page_size)
+        return decode_fp8_ds_mla(data.reshape(-1, DS_MLA_ROW_BYTES),
+                                 scales.reshape(-1, DS_MLA_SCALE_BYTES))
+    flat = cache.reshape(-1, cache.shape[-1])
+    return decode_fp8_block128(flat) if cache_format == "fp8_block128" else decode_mxfp4(flat)
