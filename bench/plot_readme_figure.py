@@ -70,7 +70,7 @@ def draw(entries: list[dict], device: str, path: Path) -> None:
 
     panels = (("forward", "floor_fwd", "fwd", "compiled_fwd"),
               ("forward + backward", None, None, "compiled_fwd_bwd"))
-    fig, axes = plt.subplots(2, 1, figsize=(11, 6.4), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6.4), sharex=True, layout="constrained")
     x = range(len(entries))
     width = 0.27
     for ax, (title, floor, ours, compiled) in zip(axes, panels):
@@ -87,9 +87,8 @@ def draw(entries: list[dict], device: str, path: Path) -> None:
     axes[1].set_xticks(list(x), [_label(e["shape"]) for e in entries], fontsize=7)
     fig.suptitle(f"{device}, bf16: kernel time per call (CUDA graph replay) against the DRAM "
                  "floor; torch.compile per-call wall time", fontsize=10)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=3, fontsize=8,
-               frameon=False, bbox_to_anchor=(0.5, 0.955))
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=3,
+               fontsize=8, frameon=False)
     fig.savefig(path, dpi=80)
     plt.close(fig)
 

@@ -1,8 +1,8 @@
-"""The README's Python examples run as written.
+"""The Python examples of README.md and docs/*.md run as written.
 
-Every fenced block whose info string starts with ``python`` runs, in order, in one namespace,
-in a fresh interpreter (so the README's own imports are what it gets). A block tagged
-``python gpu`` runs only where CUDA is present. Tracebacks name README.md and its line.
+Every fenced block whose info string starts with ``python`` runs, in order, in one namespace
+per document, in a fresh interpreter (so a document's own imports are what it gets). A block
+tagged ``python gpu`` runs only where CUDA is present. Tracebacks name the document and line.
 """
 
 from __future__ import annotations
@@ -17,19 +17,23 @@ from pathlib import Path
 
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The README first, then the docs in name order; each document starts a fresh namespace.
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 # An opening fence (backticks or tildes, possibly indented) and its info string.
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n`]*)$")
 
 _RUNNER = """
 import json, sys
 blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__readme__"}
+namespaces = {}
 for block in blocks:
-    print(f"README.md:{block['line']}: running", flush=True)
-    # Pad with newlines so tracebacks show the README's own line numbers.
+    namespace = namespaces.setdefault(block["file"], {"__name__": "__readme__"})
+    print(f"{block['file']}:{block['line']}: running", flush=True)
+    # Pad with newlines so tracebacks show the document's own line numbers.
     code = "\\n" * (block["line"] - 1) + block["code"]
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, block["file"], "exec"), namespace)
 print("all blocks ran", flush=True)
 """
 
@@ -84,10 +88,17 @@ def test_extractor_finds_python_blocks_only():
         (13, ['title="x"'], "```\nc = 3\n")]
 
 
+def _document_blocks() -> list[dict]:
+    """Every document's python blocks, each marked with its path from the repository root."""
+    return [block | {"file": str(path.relative_to(ROOT))}
+            for path in DOCUMENTS for block in python_blocks(path.read_text())]
+
+
 def test_readme_python_blocks_run(tmp_path):
-    blocks = python_blocks(README.read_text())
+    blocks = _document_blocks()
     runnable = [b for b in blocks if "gpu" not in b["tags"] or torch.cuda.is_available()]
-    assert any("gpu" not in b["tags"] for b in blocks), "the README has no CPU-runnable example"
+    assert any("gpu" not in b["tags"] for b in blocks if b["file"] == "README.md"), \
+        "the README has no CPU-runnable example"
     (tmp_path / "blocks.json").write_text(json.dumps(runnable))
     # Caches in tmp_path: the examples must not write into the user's cache directories.
     env = os.environ | {"CSA_OPS_CACHE_DIR": str(tmp_path / "kernels"),
@@ -95,7 +106,8 @@ def test_readme_python_blocks_run(tmp_path):
     done = subprocess.run([sys.executable, "-c", _RUNNER, str(tmp_path / "blocks.json")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
                           check=False)
-    skipped = [b["line"] for b in blocks if b not in runnable]
-    print(f"ran README blocks at lines {[b['line'] for b in runnable]}, skipped (gpu) {skipped}")
+    skipped = [f"{b['file']}:{b['line']}" for b in blocks if b not in runnable]
+    ran = [f"{b['file']}:{b['line']}" for b in runnable]
+    print(f"ran blocks at {ran}, skipped (gpu) {skipped}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.rstrip().endswith("all blocks ran")
