@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from csa_ops import host
-from csa_ops.config import ARCHS, KernelKey
+from csa_ops.config import ARCHS, Direction, KernelKey
 from csa_ops.kernels import select_key
 
 CONFIGS = (  # (ratio, coff, head_dim, dtype): production shapes, odd dims, both families
@@ -48,7 +48,7 @@ def resources(ratio, coff, head_dim, dtype, arch):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for direction in host.DIRECTIONS:
-            key = select_key(ratio, coff, head_dim, dtype, arch, direction == "bwd")
+            key = select_key(ratio, coff, head_dim, dtype, arch, Direction(direction))
             text = host.ptx(direction, key)
             order = _PTX_ENTRY.findall(text)  # the module's order is launch order
             ptx = Path(tmp, f"{direction}.ptx")

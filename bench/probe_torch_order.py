@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from csa_ops.kernels import torch_order
+from csa_ops.kernels.shared import torch_order
 
 WINDOWS = (32, 64, 100, 128, 256)
 HEAD_DIMS = (512, 130, 128, 96, 66, 65, 64, 33, 32, 16, 7)

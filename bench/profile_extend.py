@@ -23,6 +23,7 @@ import torch
 
 from csa_ops import host
 from csa_ops.kernels import extend_plan
+from csa_ops.config import Direction
 
 
 def main(argv=None) -> None:
@@ -34,7 +35,7 @@ def main(argv=None) -> None:
         p.error("profile_extend.py needs a CUDA device")
     serving = bench_serving.parse_args(["--no-compile"])
     head_dim, ratio, coff, _ = bench_serving._config(serving, args.config)
-    forward = host.select_key(ratio, coff, head_dim, "bfloat16", "sm_90a", False)
+    forward = host.select_key(ratio, coff, head_dim, "bfloat16", "sm_90a", Direction.FORWARD)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     steps = []
     for batch in (int(b) for b in args.batches.split(",")):

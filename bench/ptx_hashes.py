@@ -20,7 +20,7 @@ import re
 import sys
 
 from csa_ops import host
-from csa_ops.config import ARCHS, with_knobs
+from csa_ops.config import ARCHS, Direction, with_knobs
 from csa_ops.kernels import FAMILIES
 
 # (family, ratio, coff, head_dim, dtype, directions, knob overrides of the heuristic key)
@@ -79,7 +79,7 @@ def hashes(arch: str, only: str = ""):
     """{label: {"key": repr(key), "kernels": [{name, sha256, sha256_unnamed}]}}."""
     result = {}
     for family, ratio, coff, head_dim, dtype, dirs, knobs in CASES:
-        for direction in host.DIRECTIONS + ("ext",):
+        for direction in Direction:
             if direction[0] not in dirs:
                 continue
             settings = "".join(f" {k}={v}" for k, v in sorted(knobs.items()))
@@ -88,7 +88,7 @@ def hashes(arch: str, only: str = ""):
             if only not in label:
                 continue
             key = FAMILIES[family].configure(ratio, coff, head_dim, dtype, arch,
-                                             direction == "bwd")
+                                             Direction(direction))
             key = with_knobs(key, **knobs)
             kernels = [{"name": name,
                         "sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -119,7 +119,8 @@ def compare(now: dict, before: dict) -> bool:
                 verdict = "same code, renamed"
             else:
                 verdict = "CHANGED"
-            same = same and verdict == "same"
+            # A moved or renamed kernel keeps its code: only its symbol changed.
+            same = same and verdict in ("same", "same code, renamed")
             print(f"{verdict:<19}{label} [{role}]")
         if len(old) > len(now[label]["kernels"]):
             print(f"{'removed':<19}{label} [{len(old) - len(now[label]['kernels'])} entries]")

@@ -33,7 +33,7 @@ import torch
 
 import csa_ops
 from csa_ops import host
-from csa_ops.config import parse_knobs, with_knobs
+from csa_ops.config import Direction, parse_knobs, with_knobs
 from csa_ops.kernels import extend_plan
 
 CALLS = 50  # launches per graph
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     serving = bench_serving.parse_args(["--no-compile", "--dtype", args.dtype])
     head_dim, ratio, coff, _ = bench_serving._config(serving, args.config)
     dtype = str(serving.dtype).removeprefix("torch.")
-    forward = host.select_key(ratio, coff, head_dim, dtype, "sm_90a", False)
+    forward = host.select_key(ratio, coff, head_dim, dtype, "sm_90a", Direction.FORWARD)
     keys = variant_keys(args.variants, forward)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cases = []

@@ -20,6 +20,7 @@ import torch
 
 from csa_ops import config, host
 from csa_ops.kernels import FAMILIES
+from csa_ops.config import Direction
 
 SHAPES = (  # (segments, tokens per segment, head_dim, ratio, coff)
     (1, 8192, 128, 4, 2),
@@ -83,7 +84,7 @@ def _verdict(backward: bool, got, default) -> str:
 def _time_key(key, backward, fn, sets, dtype, default) -> tuple[float, str]:
     """Pins key for its problem, compiles it, checks it (`default`: the default key's
     outputs on sets[0]), times it."""
-    host.set_key(key, backward)
+    host.set_key(key, Direction.of(backward))
     host.precompile(key.ratio, key.head_dim, key.coff, dtype)
     verdict = _verdict(backward, fn(sets[0]), default)
     return graph_time(fn, sets), verdict
@@ -91,8 +92,9 @@ def _time_key(key, backward, fn, sets, dtype, default) -> tuple[float, str]:
 
 def sweep_keys(base, backward: bool):
     """Every key the base key's family enumerates for its problem (autotuning)."""
+    direction = Direction.of(backward)
     return FAMILIES[base.family].enumerate_keys(base.ratio, base.coff, base.head_dim,
-                                                base.dtype, base.arch, backward)
+                                                base.dtype, base.arch, direction)
 
 
 def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd) -> None:
@@ -108,7 +110,7 @@ def _sweep(dirs, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fwd, t_bwd
             t, verdict = _time_key(key, backward, fn, sets, dtype, default)
             print(f"  {'bwd' if backward else 'fwd'} {knob_text(key.knobs)}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")
-        host.set_key(base, backward)
+        host.set_key(base, Direction.of(backward))
 
 
 def knob_text(knobs) -> str:
@@ -122,7 +124,7 @@ def with_variant(key, variant: str):
 
 
 def _window_base(ratio, coff, d, dtype_name, backward):
-    base = host.select_key(ratio, coff, d, dtype_name, host.device_arch(), backward)
+    base = host.select_key(ratio, coff, d, dtype_name, host.device_arch(), Direction.of(backward))
     return base if base is not None and base.family == "window" else None
 
 
@@ -147,7 +149,7 @@ def _knob_variants(spec, ratio, coff, d, dtype_name, dtype, fwd, bwd, sets, t_fw
             t, verdict = _time_key(key, backward, fn, sets, dtype, default)
             print(f"  {'bwd' if backward else 'fwd'} {variant}: {t:.2f} us "
                   f"(default {t_default:.2f}) {verdict}")
-        host.set_key(base, backward)
+        host.set_key(base, Direction.of(backward))
 
 
 def latency_baselines(nbytes: int) -> tuple[float, float]:
@@ -164,7 +166,8 @@ def latency_baselines(nbytes: int) -> tuple[float, float]:
 def _drop_grad_ape_sum() -> None:
     """Both families' backward entries trace without the grad_ape sum launch (compiled
     fresh: the kernel cache would hand back the real kernels)."""
-    from csa_ops.kernels import streaming, window
+    from csa_ops.kernels.streaming import kernels as streaming
+    from csa_ops.kernels.window import backward as window
 
     os.environ["CSA_OPS_CACHE"] = "0"
     for module in (window, streaming):

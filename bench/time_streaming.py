@@ -16,7 +16,8 @@ import timing  # bench/ is the script's folder, so on sys.path
 import torch
 
 from csa_ops import host
-from csa_ops.kernels import streaming_plan
+from csa_ops.kernels.streaming import plan as streaming_plan
+from csa_ops.config import Direction
 
 SHAPES = (  # (tokens, head_dim, ratio, coff)
     (65536, 128, 128, 1),
@@ -106,12 +107,13 @@ def main() -> None:
         rec = {"shape": f"1x{tokens} d{d} r{ratio} c{coff}",
                "floor_fwd_us": fwd_bytes / bw * 1e6, "floor_bwd_us": bwd_bytes / bw * 1e6}
         for backward in (False, True):
-            base = streaming_plan.configure(ratio, coff, d, args.dtype, arch, backward)
+            direction = Direction.of(backward)
+            base = streaming_plan.configure(ratio, coff, d, args.dtype, arch, direction)
             tag = "bwd" if backward else "fwd"
             rec[f"{tag}_us"] = launches_time(_launches(base, backward, sets, sms))
             rec[f"{tag}_key"] = str(dataclasses.asdict(base.knobs))
             for var in variants:
-                key = streaming_plan.configure(ratio, coff, d, args.dtype, arch, backward, **var)
+                key = streaming_plan.configure(ratio, coff, d, args.dtype, arch, direction, **var)
                 if key == base or not streaming_plan.supports(key):
                     continue
                 t = launches_time(_launches(key, backward, sets, sms))

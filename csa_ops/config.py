@@ -4,12 +4,61 @@ A `KernelKey` names everything that changes generated code: family, ratio, coff,
 dtype, target arch, and the family's typed launch knobs (`WindowKnobs`, `StreamingKnobs`).
 Keys are pure data: the same key compiles to the same kernel on any machine, and `repr(key)`
 spells out every knob, defaults included. Each family's heuristics live in its plan module
-(csa_ops/kernels/*_plan.py). Neither torch nor the DSL is imported here.
+(csa_ops/kernels/<family>/plan.py). Neither torch nor the DSL is imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+
+class Direction(str, enum.Enum):
+    """What a kernel computes: csa::compressor's forward or backward, or csa::compressor_extend
+    (compiled from the forward's key, whose knobs fix a row's bits). Members equal their
+    short names ("fwd", "bwd", "ext"), which kernel-cache identities and labels spell."""
+
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+    EXTEND = "ext"
+
+    @classmethod
+    def of(cls, backward: bool) -> Direction:
+        """csa::compressor's backward where `backward`, else its forward."""
+        return cls.BACKWARD if backward else cls.FORWARD
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class _KnobEnum(enum.IntEnum):
+    """An integer knob's named values; repr names the value, so keys read as their meaning."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class Part(_KnobEnum):
+    """Which work items of a csa::compressor_extend call one launch runs: the whole call, or
+    a split call's requests' items (each request's state and state-reading rows) or its row
+    items (every other output row), launched beside each other."""
+
+    WHOLE = 0
+    REQUESTS = 1
+    ROWS = 2
+
+
+class Parity(_KnobEnum):
+    """The streaming forward's columns in torch's CUDA order: never (the fast softmax alone,
+    within one output rounding step except on rare cancelling columns), where the fast
+    softmax cannot certify one rounding step of it (the default), or always (tests)."""
+
+    NEVER = 0
+    UNCERTIFIED = 1
+    ALWAYS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +92,13 @@ class _Knobs:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, field.name)
-            if field.type in ("bool", bool):
+            kind = _ENUM_KNOBS.get(field.type)
+            if kind is not None:
+                if value not in set(kind) or isinstance(value, (bool, float)):
+                    raise ValueError(f"{type(self).__name__}.{field.name} must be one of "
+                                     f"{[int(v) for v in kind]}, got {value!r}")
+                object.__setattr__(self, field.name, kind(value))
+            elif field.type in ("bool", bool):
                 if value not in (0, 1) or isinstance(value, float):
                     raise ValueError(f"{type(self).__name__}.{field.name} must be a bool, "
                                      f"got {value!r}")
@@ -51,16 +106,14 @@ class _Knobs:
             elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{type(self).__name__}.{field.name} must be an int, "
                                  f"got {value!r}")
-        name, part = type(self).__name__, getattr(self, "part", 0)
-        if part not in (0, 1, 2):
-            raise ValueError(f"{name}.part must be 0, 1 or 2, got {part!r}")
-        if getattr(self, "lane_requests", False) and not part:
-            raise ValueError(f"{name}.lane_requests needs a split call (part 1 or 2)")
+        if self.lane_requests and self.part is Part.WHOLE:
+            raise ValueError(f"{type(self).__name__}.lane_requests needs a split call "
+                             "(part REQUESTS or ROWS)")
 
 
 @dataclasses.dataclass(frozen=True)
 class WindowKnobs(_Knobs):
-    """Launch knobs of the register-window family (kernels/window.py)."""
+    """Launch knobs of the register-window family (kernels/window/)."""
 
     vec: int  # elements per thread access
     threads: int  # threads per CTA, rounded down to whole rows of column vectors
@@ -69,31 +122,31 @@ class WindowKnobs(_Knobs):
     # rows (DRAM pages) instead of one 128-byte chunk of many rows.
     linear: bool = True
     # Forward softmax through ex2.approx and one division per column, certified within one
-    # output rounding step (window._output_fast); False keeps the reference's operations.
+    # output rounding step (shared/softmax.py); False keeps the reference's operations.
     fast_exp: bool = False
-    balance: bool = True  # backward shared memory padded to cap CTAs per SM (window.py)
+    balance: bool = True  # backward shared memory padded to cap CTAs per SM (kernels/window/)
     min_ctas: int = 0  # CTAs per SM the register allocation must allow (0: compiler's choice)
     # csa::compressor_extend only: one-token requests load their state update before the
-    # row scan (kernels/extend.py). It costs registers: only the decode-sized key sets it.
+    # row scan (kernels/window/extend.py). It costs registers: only the decode-sized key sets it.
     preload_decode: bool = False
     # csa::compressor_extend only: a request's item pools all of its rows and the grid has
-    # no row items (kernels/extend.py). For calls of one token per request (decode steps),
+    # no row items (kernels/window/extend.py). For calls of one token per request (decode steps),
     # whose rows their requests' items pool anyway: half the CTAs, no batch scan.
     request_rows: bool = False
-    # csa::compressor_extend only: 0, one launch does the call; else the call is two
-    # launches: 1, its requests' items (the rows that read the state, the new state), then
-    # 2, its row items, which start without waiting for the first (PDL, kernels/extend.py)
-    # and so run beside it, at the forward's registers per thread.
-    part: int = 0
+    # csa::compressor_extend only: WHOLE, one launch does the call; else the call is two
+    # launches: REQUESTS, its requests' items (the rows that read the state, the new state),
+    # then ROWS, its row items, which start without waiting for the first (PDL) and so run
+    # beside it, at the forward's registers per thread.
+    part: Part = Part.WHOLE
     # csa::compressor_extend only, split calls of at most 32 requests: each warp of part 2
     # holds the batch in its lanes and finds its rows' requests by shuffles, with no batch
-    # scan, barrier or reload (kernels/extend.py); else part 2 scans the batch per CTA.
+    # scan, barrier or reload (kernels/window/extend.py); else part 2 scans the batch per CTA.
     lane_requests: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamingKnobs(_Knobs):
-    """Launch knobs of the streaming family (kernels/streaming.py)."""
+    """Launch knobs of the streaming family (kernels/streaming/)."""
 
     vec: int  # elements per thread access
     cv: int  # column vectors per CTA
@@ -104,13 +157,12 @@ class StreamingKnobs(_Knobs):
     fast_exp: bool = False  # exp through ex2.approx (within one output rounding step)
     lean: bool = False  # rows whose whole window exists skip the per-entry masks
     pdl: bool = True  # programmatic dependent launch (common.await_upstream)
-    # Forward columns in torch's CUDA order (kernels/torch_order.py): 0 never, 1 where the
-    # fast softmax cannot certify one rounding step of it (SPEC 3), 2 always (tests).
-    parity: int = 0
-    # csa::compressor_extend only, as WindowKnobs.part: 1 the requests' items, 2 every
-    # other output row (padding and invalid requests' rows: zeros), through the forward's
-    # pipelined row loop (kernels/streaming.py), beside part 1.
-    part: int = 0
+    # Forward columns in torch's CUDA order (kernels/shared/torch_order.py; see Parity).
+    parity: Parity = Parity.NEVER
+    # csa::compressor_extend only, as WindowKnobs.part; ROWS is every other output row
+    # (padding and invalid requests' rows: zeros), through the forward's pipelined row loop,
+    # beside the requests' launch.
+    part: Part = Part.WHOLE
     # Split calls of at most 32 requests: each warp of part 2 holds the batch in its lanes
     # and its row groups take the rows part 1 does not pool in order, evenly (no gaps where
     # part 1's rows lie); else part 2 scans the batch per CTA and strides over all rows.
@@ -122,6 +174,8 @@ class StreamingKnobs(_Knobs):
 
 
 KNOBS = {"window": WindowKnobs, "streaming": StreamingKnobs}
+# Knob fields of enum type, by their annotation (a string: annotations are postponed).
+_ENUM_KNOBS = {"Part": Part, "Parity": Parity}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,47 +16,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from . import config, kernel_cache, launcher
-from .config import KernelKey, LaunchPlan
-from .kernels import FAMILIES, extend_plan, select_key
+from .config import Direction, KernelKey
+from .kernels import FAMILIES, extend_plan, families, select_key
+from .kernels.families import KernelFamily
 
 _TORCH_DTYPES = {getattr(torch, name): name for name in config.DTYPES}
-
-
-class KernelFamily(Protocol):
-    """What a family's plan module exposes (pure functions; only launch_entry imports the DSL).
-
-    configure(ratio, coff, head_dim, dtype, arch, backward) -> KernelKey
-        Heuristic key (launch knobs filled in) for one direction; dtype/arch as in config.
-    supports(key) -> bool
-        Whether this family compiles `key` (cheap, no device access).
-    launch_entry(key, backward) -> @cute.jit function
-        The launch entry of one direction; its arguments are ARGUMENTS[direction] then the
-        stream. num_rows = out.shape[0] (may exceed cuc[-1]); num_segs = cu.numel() - 1.
-        Every output element must be written (outputs come from torch.empty), no float
-        atomics, no read or write out of bounds for any cu/cuc contents.
-    plan_forward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
-    plan_backward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
-        Grid size and fp32 workspace elements. Workspace content is undefined on entry; a
-        family that needs it zeroed zeroes it inside its own launches (CUDA-graph safe).
-        With workspace 0 the workspace argument is some other fp32 tensor: never access it.
-    """
-
-    def configure(
-        self, ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
-    ) -> KernelKey: ...
-    def supports(self, key: KernelKey) -> bool: ...
-    def launch_entry(self, key: KernelKey, backward: bool) -> Callable[..., Any]: ...
-    def plan_forward(
-        self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int
-    ) -> LaunchPlan: ...
-    def plan_backward(
-        self, key: KernelKey, num_tokens: int, num_rows: int, num_sms: int
-    ) -> LaunchPlan: ...
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,7 +72,7 @@ ARGUMENTS = {
             ("num_rows", "i32"), ("num_requests", "i32"), ("num_slots", "i32"),
             ("grid", "i32")),
 }
-DIRECTIONS = ("fwd", "bwd")  # csa::compressor's; "ext" compiles from the forward's key
+DIRECTIONS = (Direction.FORWARD, Direction.BACKWARD)  # csa::compressor's
 
 
 def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
@@ -114,15 +83,13 @@ def launch_signature(direction: str, key: KernelKey) -> tuple[tuple, ...]:
     return tuple(slots[kind] for _, kind in ARGUMENTS[direction])
 
 
-def _launch_entry(direction: str, key: KernelKey) -> Callable[..., Any]:
-    if direction == "ext":
-        return extend_plan.launch_entry(key)
-    return FAMILIES[key.family].launch_entry(key, direction == "bwd")
+def _launch_entry(direction: Direction, key: KernelKey) -> Callable[..., Any]:
+    return families.launch_entry(direction, key)
 
 
 def ptx(direction: str, key: KernelKey) -> str:
     """PTX of one direction of ``key`` (numerics audits and hash checks)."""
-    from .kernels import entry
+    from .kernels.shared import entry
 
     return entry.ptx(_launch_entry(direction, key), key.arch, launch_signature(direction, key))
 
@@ -134,7 +101,7 @@ def ptx(direction: str, key: KernelKey) -> str:
 def _compile(direction: str, key: KernelKey, engine: bool = True) -> Any:
     """JIT one direction of ``key`` (the DSL is imported here, and only here); without
     ``engine`` the result is only good for export (the disk cache loads what it exports)."""
-    from .kernels import entry
+    from .kernels.shared import entry
 
     return entry.compile_entry(_launch_entry(direction, key), key.arch,
                                launch_signature(direction, key), tvm_ffi=launcher.TVM_FFI,
@@ -282,7 +249,7 @@ def configuration_keys(ratio: int, head_dim: int, coff: int, dtype: torch.dtype,
     _check_target("precompile", dtype, arch)
     keys = []
     for direction in DIRECTIONS:
-        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction == "bwd")
+        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction)
         if key is None:
             raise ValueError(
                 f"precompile: no kernel family supports ratio={ratio}, coff={coff}, "
@@ -312,19 +279,20 @@ def precompile(ratio: int, head_dim: int, coff: int, dtype: torch.dtype | None =
 _KEYS: dict[tuple, KernelKey | None] = {}
 
 
-def _key_for(
-    ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool
-) -> KernelKey | None:
-    memo = (ratio, coff, head_dim, dtype, arch, bool(backward))
+def _key_for(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+             direction: Direction) -> KernelKey | None:
+    direction = Direction(direction)
+    memo = (ratio, coff, head_dim, dtype, arch, direction)
     if memo not in _KEYS:
-        _KEYS[memo] = select_key(ratio, coff, head_dim, dtype, arch, backward)
+        _KEYS[memo] = select_key(ratio, coff, head_dim, dtype, arch, direction)
     return _KEYS[memo]
 
 
-def set_key(key: KernelKey, backward: bool) -> None:
+def set_key(key: KernelKey, direction: Direction) -> None:
     """Pins the key used for key's problem and direction (autotuning: see the families'
     enumerate_keys)."""
-    _KEYS[(key.ratio, key.coff, key.head_dim, key.dtype, key.arch, bool(backward))] = key
+    direction = Direction(direction)
+    _KEYS[(key.ratio, key.coff, key.head_dim, key.dtype, key.arch, direction)] = key
     _forget_prepared_calls()
 
 
@@ -352,7 +320,7 @@ def supports_config(device: torch.device, dtype: torch.dtype, ratio: int, coff: 
     if arch is None:
         return False
     name = _TORCH_DTYPES[dtype]
-    return all(_key_for(ratio, coff, head_dim, name, arch, b) is not None for b in (0, 1))
+    return all(_key_for(ratio, coff, head_dim, name, arch, d) is not None for d in DIRECTIONS)
 
 
 class Problem(NamedTuple):
@@ -376,7 +344,7 @@ def _resolve(device: torch.device, dtype: torch.dtype, ratio: int, coff: int, he
         arch, num_sms = _device_info(device)
         if arch is None:
             return None
-        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction == "bwd")
+        key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, direction)
         if key is None:
             return None
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -610,7 +578,7 @@ def extend_problem(kv: torch.Tensor, ratio: int, coff: int,
         return None
     if kv.shape[1] == 0 or kv.shape[1] % coff:
         return None
-    found = _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, "fwd")
+    found = _resolve(kv.device, kv.dtype, ratio, coff, kv.shape[1] // coff, Direction.FORWARD)
     if found is None or not extend_plan.supports(found.key):
         return None
     size = extend_plan.size_class(kv.shape[0], num_requests)
@@ -668,7 +636,7 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     configuration, every kernel a call size class launches; dtype None means bfloat16, arch
     None the current CUDA device."""
     dtype, arch = _target("precompile_extend", dtype, arch)
-    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, False)
+    key = _key_for(ratio, coff, head_dim, _TORCH_DTYPES[dtype], arch, Direction.FORWARD)
     if key is None or not extend_plan.supports(key):
         raise ValueError(f"precompile_extend: no extend kernel for ratio={ratio}, coff={coff}, "
                          f"head_dim={head_dim}, dtype={dtype}")

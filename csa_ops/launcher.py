@@ -31,7 +31,7 @@ class PublicLauncher:
         from cutlass import cute
         from cutlass.cute.runtime import make_ptr
 
-        from .kernels.common import dsl_type
+        from .kernels.shared.common import dsl_type
 
         self._compiled = compiled
         self._stream = cuda.CUstream

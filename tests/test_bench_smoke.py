@@ -112,10 +112,10 @@ def variants():
     (4, 2, "window", {"vec": 2}), (128, 1, "streaming", {"cv": 4, "ctas": 4})])
 def test_time_extend_takes_variants_of_either_family(ratio, coff, family, knobs):
     from csa_ops import host
-    from csa_ops.config import with_knobs
+    from csa_ops.config import Direction, with_knobs
 
     time_extend = _bench_module("time_extend")
-    forward = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a", False)
+    forward = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a", Direction.FORWARD)
     text = ",".join(f"{name}={value}" for name, value in knobs.items())
     keys = time_extend.variant_keys(["own", "p:part=1", f"v:{text}"], forward)
     assert keys == {"own": None, "p": with_knobs(forward, part=1),
@@ -206,8 +206,9 @@ def time_kernels():
 @pytest.mark.parametrize("backward", [False, True])
 def test_knob_variants_apply_known_names_and_reject_others(time_kernels, backward):
     from csa_ops import host
+    from csa_ops.config import Direction
 
-    base = host.select_key(4, 2, 128, "bfloat16", "sm_90a", backward)
+    base = host.select_key(4, 2, 128, "bfloat16", "sm_90a", Direction.of(backward))
     assert base.family == "window"
     applied = time_kernels.with_variant(base, "pdl=0,linear=0")
     assert (applied.knobs.pdl, applied.knobs.linear) == (0, 0)
@@ -223,7 +224,8 @@ def test_sweep_enumerates_supported_keys_of_the_default_keys_family(time_kernels
     from csa_ops import host
 
     for backward in (False, True):
-        base = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a", backward)
+        base = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a",
+                               Direction.of(backward))
         keys = list(time_kernels.sweep_keys(base, backward))
         assert len(keys) > 1 and base in keys
         assert all(k.family == base.family and host.FAMILIES[k.family].supports(k)

@@ -14,8 +14,11 @@ import torch
 from helpers import config_id
 
 from csa_ops import host
-from csa_ops.config import ARCHS, KernelKey, StreamingKnobs, WindowKnobs, parse_knobs, with_knobs
-from csa_ops.kernels import FAMILIES, select_key, streaming_plan, window_plan
+from csa_ops.config import (ARCHS, Direction, KernelKey, StreamingKnobs, WindowKnobs, parse_knobs,
+                            with_knobs)
+from csa_ops.kernels import FAMILIES, select_key
+from csa_ops.kernels.streaming import plan as streaming_plan
+from csa_ops.kernels.window import plan as window_plan
 
 CONFIGS = (  # ratio, coff, head_dim, dtype
     (4, 2, 128, torch.bfloat16),
@@ -77,10 +80,10 @@ def test_ptx_of_the_fast_forward(arch):
     # The bf16 forward default: per column one certified fast pass (ex2.approx without
     # libdevice's range reduction, one division) and the exact path as its fallback (one
     # libdevice expf and one division per entry, plus the reciprocal).
-    key = window_plan.configure(4, 2, 512, "bfloat16", arch, False)
+    key = window_plan.configure(4, 2, 512, "bfloat16", arch, Direction.FORWARD)
     assert key.knobs.fast_exp
-    assert not window_plan.configure(4, 2, 512, "float16", arch, False).knobs.fast_exp
-    assert not window_plan.configure(4, 2, 512, "bfloat16", arch, True).knobs.fast_exp
+    assert not window_plan.configure(4, 2, 512, "float16", arch, Direction.FORWARD).knobs.fast_exp
+    assert not window_plan.configure(4, 2, 512, "bfloat16", arch, Direction.BACKWARD).knobs.fast_exp
     text = host.ptx("fwd", key)
     vec = key.knobs.vec
     entries = key.window * vec
@@ -94,7 +97,7 @@ def test_ptx_of_the_fast_forward(arch):
 def test_ptx_of_the_streaming_forward_parity(arch):
     # parity 1 and 2 add the exact columns: one libdevice expf (its fma.rm range reduction)
     # and one IEEE division per window entry and column; parity 1 gates them on a warp vote.
-    base = streaming_plan.configure(128, 1, 512, "bfloat16", arch, False)
+    base = streaming_plan.configure(128, 1, 512, "bfloat16", arch, Direction.FORWARD)
     exact = base.knobs.wpc * base.knobs.kt * base.knobs.vec  # entries per lane, all columns
     texts = {p: host.ptx("fwd", with_knobs(base, parity=p)) for p in (0, 1, 2)}
     assert "vote.sync" not in texts[0] and "fma.rm.f32" not in texts[0]
@@ -106,7 +109,8 @@ def test_ptx_of_the_streaming_forward_parity(arch):
 
 
 def _vec_threads(ratio, coff, head_dim, dtype, backward):
-    knobs = window_plan.configure(ratio, coff, head_dim, dtype, "sm_90a", backward).knobs
+    knobs = window_plan.configure(ratio, coff, head_dim, dtype, "sm_90a",
+                                  Direction.of(backward)).knobs
     return knobs.vec, knobs.threads
 
 
@@ -128,34 +132,35 @@ def test_short_windows_trade_vector_width_for_threads():
 
 
 def test_select_key_picks_the_family_by_window():
-    assert select_key(4, 2, 128, "bfloat16", "sm_90a", True).family == "window"
-    assert select_key(16, 2, 128, "bfloat16", "sm_90a", True).family == "window"
-    assert select_key(128, 2, 512, "float16", "sm_90a", False).family == "streaming"
-    assert select_key(128, 2, 512, "float32", "sm_90a", False) is None  # streaming: 16-bit
+    assert select_key(4, 2, 128, "bfloat16", "sm_90a", Direction.BACKWARD).family == "window"
+    assert select_key(16, 2, 128, "bfloat16", "sm_90a", Direction.BACKWARD).family == "window"
+    assert select_key(128, 2, 512, "float16", "sm_90a", Direction.FORWARD).family == "streaming"
+    # streaming: 16-bit only
+    assert select_key(128, 2, 512, "float32", "sm_90a", Direction.FORWARD) is None
     for name, plan in FAMILIES.items():
         key = plan.configure(64 if name == "streaming" else 4, 2, 128, "bfloat16", "sm_90a",
-                             True)
+                             Direction.BACKWARD)
         assert plan.supports(key) and list(plan.enumerate_keys(
-            key.ratio, 2, 128, "bfloat16", "sm_90a", True))
+            key.ratio, 2, 128, "bfloat16", "sm_90a", Direction.BACKWARD))
 
 
 def test_each_knob_has_one_default():
     # pdl: both families launch with PDL unless their heuristic says otherwise.
     assert WindowKnobs(vec=2, threads=256).pdl and StreamingKnobs(8, 8, 1, 4, 2, 2).pdl
-    stream_fwd = streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", False)
+    stream_fwd = streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", Direction.FORWARD)
     assert not stream_fwd.knobs.pdl  # two warps per column vector: measured slower with PDL
-    assert streaming_plan.configure(128, 1, 512, "bfloat16", "sm_90a", False).knobs.pdl
+    assert streaming_plan.configure(128, 1, 512, "bfloat16", "sm_90a", Direction.FORWARD).knobs.pdl
 
 
 def test_knob_overrides_are_checked():
-    key = window_plan.configure(4, 2, 128, "bfloat16", "sm_90a", True)
+    key = window_plan.configure(4, 2, 128, "bfloat16", "sm_90a", Direction.BACKWARD)
     assert with_knobs(key, **parse_knobs("pdl=0,min_ctas=3")).knobs == WindowKnobs(
         vec=2, threads=256, pdl=False, min_ctas=3)
     assert repr(with_knobs(key, pdl=0)) == repr(with_knobs(key, pdl=False))  # one spelling
     with pytest.raises(ValueError, match="no knob lnear"):
         with_knobs(key, lnear=0)
     with pytest.raises(ValueError, match="no knob cv"):  # a streaming knob
-        window_plan.configure(4, 2, 128, "bfloat16", "sm_90a", True, cv=4)
+        window_plan.configure(4, 2, 128, "bfloat16", "sm_90a", Direction.BACKWARD, cv=4)
     with pytest.raises(ValueError, match="bool"):
         with_knobs(key, pdl=2)
     with pytest.raises(ValueError, match="name=integer"):
@@ -183,7 +188,7 @@ def test_argument_table_compiles_both_families(ratio, backward, arch):
     # The entries compile from placeholders built from host.ARGUMENTS alone (a slot too many
     # or too few, or a wrong pointer type, fails the compile), for both families and archs.
     direction = "bwd" if backward else "fwd"
-    key = host.select_key(ratio, 2, 64, "bfloat16", arch, backward)
+    key = host.select_key(ratio, 2, 64, "bfloat16", arch, Direction.of(backward))
     assert callable(host._CACHE.get(direction, key))
     names = [name for name, _ in host.ARGUMENTS[direction]]
     assert names[-4:] == ["num_tokens", "num_rows", "num_segs", "grid"]

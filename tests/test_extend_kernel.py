@@ -15,8 +15,10 @@ import torch
 from helpers import config_id
 
 from csa_ops import host
-from csa_ops.config import ARCHS, LaunchPlan, with_knobs
-from csa_ops.kernels import extend_plan, streaming_plan, window_plan
+from csa_ops.config import ARCHS, Direction, LaunchPlan, with_knobs
+from csa_ops.kernels import extend_plan
+from csa_ops.kernels.streaming import plan as streaming_plan
+from csa_ops.kernels.window import plan as window_plan
 
 CONFIGS = (  # ratio, coff, head_dim, dtype: the production CSA configs, dtypes, the
     (4, 2, 512, torch.bfloat16),  # streaming family's (r128)
@@ -42,7 +44,7 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     ratio, coff, head_dim, dtype = cfg
     before = host.cache_info()
     built = host.precompile_extend(ratio, head_dim, coff, dtype, arch=arch)
-    forward = host.select_key(ratio, coff, head_dim, built[0].dtype, arch, False)
+    forward = host.select_key(ratio, coff, head_dim, built[0].dtype, arch, Direction.FORWARD)
     assert built == extend_plan.keys(forward)
     if forward.family == "window":
         assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
@@ -88,7 +90,7 @@ def test_rows_pool_with_the_forward_operations(cfg):
     parts = extend_plan.launches(extend_plan.for_size(forward, 1))
     few_items = with_knobs(forward, vec=min(forward.knobs.vec, 2), threads=128)
     assert parts == (with_knobs(few_items, part=1), with_knobs(forward, part=2))
-    parts += extend_plan.launches(extend_plan.for_size(forward, extend_plan.FEW_LARGE))[1:]
+    parts += extend_plan.launches(extend_plan.for_size(forward, extend_plan.SizeClass.FEW_LARGE))[1:]
     assert parts[2] == with_knobs(forward, part=2, lane_requests=True)
     for key in extend_plan.keys(forward):
         sites = {0: forward.coff + 1, 1: forward.coff, 2: 1}[key.knobs.part]
@@ -131,7 +133,7 @@ def test_decode_step_reads_no_window_register_before_its_row_sums(dtype):
     # for the window's DRAM round trip and makes the barrier wait with it (bench/README,
     # "Window registers as 32-bit words").
     step = extend_plan.for_size(extend_plan.configure(4, 2, 512, dtype, "sm_90a"),
-                                extend_plan.STEP)
+                                extend_plan.SizeClass.STEP)
     assert step.knobs.request_rows and step.knobs.vec == 2
     ptx = _ptx("ext", step)
     before_barrier = ptx[:ptx.index("bar.sync")]
@@ -152,10 +154,11 @@ def test_streaming_rows_pool_with_the_forward_operations(cfg):
     # QUIET_UNROLL pieces it loads before storing.
     # (Without the exact columns, parity 0: their code is shared too, but the compiler folds
     # a few of its selects differently at the two sites; test_cross_compile audits it.)
-    from csa_ops.kernels import streaming  # the DSL: host.ptx imports it anyway
+    from csa_ops.kernels.streaming import extend as streaming  # the DSL: host.ptx imports it
 
     ratio, coff, head_dim, dtype = cfg
-    key = with_knobs(host.select_key(ratio, coff, head_dim, dtype, "sm_90a", False), parity=0)
+    forward = host.select_key(ratio, coff, head_dim, dtype, "sm_90a", Direction.FORWARD)
+    key = with_knobs(forward, parity=0)
     assert key.family == "streaming"
     ext, fwd = _ptx("ext", key), _ptx("fwd", key)
     for op in _POOL_OPS:
@@ -165,8 +168,8 @@ def test_streaming_rows_pool_with_the_forward_operations(cfg):
     per_entry = -(-key.window * k.cv // k.threads) * k.vec
     adds = len(re.findall(r"\tadd.f32", fwd))
     assert len(re.findall(r"\tadd.f32", ext)) == (2 * (adds - k.kt * k.vec) + 2 * per_entry
-                                                 + key.coff * per_entry
-                                                 + streaming.QUIET_UNROLL * k.vec)
+                                                  + key.coff * per_entry
+                                                  + streaming.QUIET_UNROLL * k.vec)
     assert "ld.local" not in ext and "st.local" not in ext
 
 
@@ -186,7 +189,7 @@ def test_plan_covers_requests_then_rows():
     assert extend_plan.plan(rows, 4096, 256, 64, 132) == LaunchPlan(grid=-(-64 // rpc))
     assert extend_plan.plan(rows, 4096, 3, 0, 132) == LaunchPlan(grid=1)
     assert extend_plan.launches(with_knobs(key, part=2)) == (requests, rows)
-    with pytest.raises(ValueError, match="part must be 0, 1 or 2"):
+    with pytest.raises(ValueError, match=r"part must be one of \[0, 1, 2\]"):
         with_knobs(key, part=3)
     # Row items by lanes: the same first part; the second takes at most a warp's requests.
     lanes = with_knobs(key, part=1, lane_requests=True)
@@ -201,7 +204,7 @@ def test_plan_covers_requests_then_rows():
     # Streaming: column blocks times item groups, at most MAX_ROWS items per CTA. Items
     # that pool windows run one after another in a CTA: up to EXTEND_WAVES waves of CTA
     # slots (132 SMs x 2 CTAs / 8 blocks per wave), one item each where they reach.
-    key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
+    key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", Direction.FORWARD)
     blocks = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
     assert (blocks, key.knobs.ctas, streaming_plan.EXTEND_WAVES) == (8, 2, 4)
     assert extend_plan.plan(key, 8192, 4, 64, 132) == LaunchPlan(grid=68 * blocks)
@@ -247,7 +250,7 @@ def test_plan_covers_requests_then_rows():
     # Few requests (FEW_LARGE): the same requests' launch and grid; the rows by lanes where
     # the fullest group holds two rows or more (60 rows past the heads over 28 groups), by
     # the scan where each holds one (28 over 28) or where there are none.
-    few = extend_plan.for_size(key, extend_plan.FEW_LARGE)
+    few = extend_plan.for_size(key, extend_plan.SizeClass.FEW_LARGE)
     assert few == with_knobs(split, lane_requests=True)
     by_lanes = with_knobs(rows, lane_requests=True)
     assert extend_plan.plans(few, 8192, 4, 64, 132) == (
@@ -264,7 +267,7 @@ def test_plan_covers_requests_then_rows():
 
 def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
     for problem in ((128, 1, 512), (128, 2, 128), (256, 2, 64), (512, 1, 64)):
-        for key in streaming_plan.enumerate_keys(*problem, "bfloat16", "sm_90a", False):
+        for key in streaming_plan.enumerate_keys(*problem, "bfloat16", "sm_90a", Direction.FORWARD):
             k = key.knobs
             narrow = streaming_plan.narrow(key)
             n = narrow.knobs
@@ -274,18 +277,19 @@ def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
             assert n.ctas == max(k.ctas, fit) or narrow == key
             assert n.ctas == k.ctas or smem * n.ctas <= streaming_plan.SMEM_PER_SM
             assert dataclasses.replace(narrow, knobs=k) == key  # launch knobs only
-            assert extend_plan.for_size(key, extend_plan.STEP) == narrow
-            assert extend_plan.for_size(key, extend_plan.LARGE_STEP) == key
+            assert extend_plan.for_size(key, extend_plan.SizeClass.STEP) == narrow
+            assert extend_plan.for_size(key, extend_plan.SizeClass.LARGE_STEP) == key
     # A rows launch by lanes keeps a third row table (each entry's output row).
     rows = with_knobs(streaming_plan.narrow(host.select_key(128, 1, 512, "bfloat16", "sm_90a",
-                                                            False)), part=2)
+                                                            Direction.FORWARD)), part=2)
     lanes = with_knobs(rows, lane_requests=True)
     assert (streaming_plan.key_smem_bytes(lanes, False)
             == streaming_plan.key_smem_bytes(rows, False) + 4 * streaming_plan.MAX_ROWS)
     assert streaming_plan.key_smem_bytes(lanes, False) * lanes.knobs.ctas <= (
         streaming_plan.SMEM_PER_SM)
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
-    key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", False, cv=1, ctas=2)
+    key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", Direction.FORWARD, cv=1,
+                                   ctas=2)
     assert streaming_plan.narrow(key).knobs.ctas == 2
 
 
@@ -293,18 +297,18 @@ def test_support_covers_both_families():
     assert extend_plan.supports(extend_plan.configure(16, 2, 64, "bfloat16", "sm_90a"))
     assert extend_plan.supports(extend_plan.configure(32, 1, 64, "float32", "sm_100a"))
     assert not extend_plan.supports(extend_plan.configure(32, 2, 64, "bfloat16", "sm_90a"))
-    streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", False)
+    streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", Direction.FORWARD)
     assert streaming.family == "streaming" and extend_plan.supports(streaming)
     narrow = streaming_plan.narrow(streaming)
     assert (narrow.knobs.cv, narrow.knobs.ctas) == (streaming.knobs.cv // 2, 4)
     assert extend_plan.for_size(streaming, 0) == narrow
-    assert extend_plan.for_size(streaming, extend_plan.STEP) == narrow
-    assert extend_plan.for_size(streaming, extend_plan.LARGE_STEP) == streaming
+    assert extend_plan.for_size(streaming, extend_plan.SizeClass.STEP) == narrow
+    assert extend_plan.for_size(streaming, extend_plan.SizeClass.LARGE_STEP) == streaming
     split = with_knobs(streaming, part=1, pdl=True)
     assert extend_plan.for_size(streaming, 1) == split
-    assert extend_plan.for_size(streaming, extend_plan.FEW_LARGE) == with_knobs(
+    assert extend_plan.for_size(streaming, extend_plan.SizeClass.FEW_LARGE) == with_knobs(
         split, lane_requests=True)
-    with pytest.raises(ValueError, match="StreamingKnobs.part must be 0, 1 or 2"):
+    with pytest.raises(ValueError, match=r"StreamingKnobs.part must be one of \[0, 1, 2\]"):
         with_knobs(streaming, part=3)
     # No family runs fp32 at ratio 128 (the streaming kernels take bf16 and fp16).
     with pytest.raises(ValueError, match="no extend kernel for ratio=128"):
@@ -328,22 +332,22 @@ def test_argument_table_of_the_extend_kernel():
 def test_call_size_classes_pick_the_measured_launch_shapes():
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
     sizes = (0, 1, 256, 257, 2048, 3071, 3072, 10**6)
-    few = extend_plan.FEW_LARGE
+    few = extend_plan.SizeClass.FEW_LARGE
     assert [extend_plan.size_class(n, 3) for n in sizes] == [0, 0, 0, 1, 1, 1, few, few]
     # Row items by lanes only for batches a warp holds.
     assert [extend_plan.size_class(3072, b) for b in (1, 32, 33)] == [few, few, 1]
     # As many tokens as requests: a decode step, past decode-sized ones a large one.
     assert [extend_plan.size_class(n, n) for n in sizes] == (
-        [extend_plan.STEP] * 3 + [extend_plan.LARGE_STEP] * 5)
+        [extend_plan.SizeClass.STEP] * 3 + [extend_plan.SizeClass.LARGE_STEP] * 5)
     decode, larger, few_large = (extend_plan.for_size(forward, size) for size in range(3))
     assert few_large == with_knobs(forward, part=1, lane_requests=True)
     assert (decode.knobs.vec, decode.knobs.threads) == (2, 128)
     assert decode.knobs.preload_decode and not (larger.knobs.preload_decode or
                                                 forward.knobs.preload_decode)
     assert larger == with_knobs(forward, part=1)  # split
-    step = extend_plan.for_size(forward, extend_plan.STEP)
+    step = extend_plan.for_size(forward, extend_plan.SizeClass.STEP)
     assert step == with_knobs(decode, request_rows=True)
-    assert extend_plan.for_size(forward, extend_plan.LARGE_STEP) == step
+    assert extend_plan.for_size(forward, extend_plan.SizeClass.LARGE_STEP) == step
     assert not any(key.knobs.request_rows for key in (decode, larger))
     assert not any(key.knobs.part for key in (decode, step))
     rows = with_knobs(forward, part=2)
@@ -359,7 +363,7 @@ def test_call_size_classes_pick_the_measured_launch_shapes():
 def test_requests_pool_their_own_rows_in_decode_step_grids():
     """request_rows keys launch one item per request (no row items), at least one CTA."""
     forward = extend_plan.configure(4, 2, 512, "bfloat16", "sm_90a")
-    step = extend_plan.for_size(forward, extend_plan.STEP)
+    step = extend_plan.for_size(forward, extend_plan.SizeClass.STEP)
     rpc = window_plan.geometry(step).rpc
     assert extend_plan.plan(step, 256, 256, 256, 132).grid == -(-256 // rpc)
     assert extend_plan.plan(step, 256, 0, 7, 132).grid == 1

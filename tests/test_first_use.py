@@ -34,16 +34,16 @@ def test_precompile_without_arch_needs_a_gpu():
 
 @pytest.mark.parametrize("direction", ("fwd", "bwd", "ext"))
 def test_a_capture_that_needs_a_compile_names_the_precompile_that_covers_it(direction,
-                                                                             monkeypatch):
+                                                                            monkeypatch):
     # A capture is simulated (no GPU here): the error comes before anything compiles. The
     # call it names must compile the kernel the capture needed: csa::compressor's two
     # directions, or csa::compressor_extend's kernels of every call size.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     forward, backward = (key for _, key in host.configuration_keys(6, 48, 2, torch.bfloat16,
-                                                                    "sm_90a"))
+                                                                   "sm_90a"))
     keys = {"fwd": forward, "bwd": backward,
-            "ext": extend_plan.for_size(forward, extend_plan.STEP)}
+            "ext": extend_plan.for_size(forward, extend_plan.SizeClass.STEP)}
     entry = "precompile_extend" if direction == "ext" else "precompile"
     compiles = extend_plan.keys(forward) if direction == "ext" else (forward, backward)
     assert keys[direction] in compiles

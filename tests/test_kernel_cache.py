@@ -18,6 +18,7 @@ import torch
 
 from csa_ops import host, kernel_cache, launcher
 from csa_ops.kernels import extend_plan
+from csa_ops.config import Direction
 
 pytestmark = pytest.mark.skipif(not launcher.TVM_FFI, reason="needs apache-tvm-ffi")
 
@@ -26,7 +27,7 @@ SMALL = (2, 16, 1)  # ratio, head_dim, coff: the quickest configuration to compi
 
 def _key(arch="sm_90a", backward=False):
     ratio, head_dim, coff = SMALL
-    return host.select_key(ratio, coff, head_dim, "bfloat16", arch, backward)
+    return host.select_key(ratio, coff, head_dim, "bfloat16", arch, Direction.of(backward))
 
 
 def _identity(key, direction="fwd"):

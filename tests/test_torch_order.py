@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from csa_ops.config import with_knobs
-from csa_ops.kernels import streaming_plan, torch_order
+from csa_ops.config import Direction, with_knobs
+from csa_ops.kernels.shared import torch_order
+from csa_ops.kernels.streaming import plan as streaming_plan
 
 
 def test_torch_order_configurations():
@@ -30,12 +31,12 @@ def test_torch_order_configurations():
     assert torch_order.sum_split(128, 64) == 4 and torch_order.sum_split(128, 64, rows=1) == 8
     assert torch_order.min_rows(64) == 2 and torch_order.min_rows(512) == 1
     assert not torch_order.supported(512, 128) and not torch_order.supported(128, 1)
-    forward = streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", False)
+    forward = streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", Direction.FORWARD)
     assert forward.knobs.parity == 1
-    assert streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", True).knobs.parity == 0
-    assert streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", False).knobs.parity == 0
+    assert streaming_plan.configure(128, 2, 512, "bfloat16", "sm_90a", Direction.BACKWARD).knobs.parity == 0
+    assert streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", Direction.FORWARD).knobs.parity == 0
     assert not streaming_plan.supports(with_knobs(
-        streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", False), parity=1))
+        streaming_plan.configure(256, 2, 512, "bfloat16", "sm_90a", Direction.FORWARD), parity=1))
 
 
 def test_torch_order_matches_the_recorded_probe():

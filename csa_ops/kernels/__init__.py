@@ -1,12 +1,8 @@
-"""CuTe-DSL kernel families of the compressor (see csa_ops.host.KernelFamily for the contract).
-
-Per family, a plan module without the DSL (window_plan, streaming_plan: keys, support,
-launch plans) and a device module (window: register-window kernels for coff * ratio <=
-window_plan.WINDOW_MAX; streaming: large windows). common and reduce hold shared device code,
-requests the request helpers of both families' csa::compressor_extend kernels (extend_plan
-picks the family's: extend.py, or streaming.py's extend kernel).
+"""CuTe-DSL kernel families of the compressor: window (register windows) and streaming (large
+windows), each a package with its DSL-free plan and its kernel classes; shared/ holds what
+both use. families.py is the registry and the family contract.
 """
 
-from .families import FAMILIES, select_key
+from .families import FAMILIES, KERNELS, launch_entry, select_key
 
-__all__ = ["FAMILIES", "select_key"]
+__all__ = ["FAMILIES", "KERNELS", "launch_entry", "select_key"]

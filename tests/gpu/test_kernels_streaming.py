@@ -24,7 +24,9 @@ from helpers import (
 )
 
 from csa_ops import host, reference
-from csa_ops.kernels import streaming_plan, torch_order
+from csa_ops.kernels.shared import torch_order
+from csa_ops.kernels.streaming import plan as streaming_plan
+from csa_ops.config import Direction
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or host.device_arch() is None,
@@ -50,7 +52,7 @@ PACKS = (
 def _key(spec, dtype, backward):
     return streaming_plan.configure(spec.ratio, spec.coff, spec.head_dim,
                                     str(dtype).removeprefix("torch."), host.device_arch(),
-                                    backward)
+                                    Direction.of(backward))
 
 
 def _launch(key, backward, tensors, sizes, grid):
@@ -64,7 +66,7 @@ def _nan(shape, dtype):
 def run_forward(kv, score, ape, cu, cuc, ratio, coff, rows, groups=None, **knobs):
     head_dim = kv.shape[1] // coff
     key = streaming_plan.configure(ratio, coff, head_dim, str(kv.dtype).removeprefix("torch."),
-                                   host.device_arch(), False, **knobs)
+                                   host.device_arch(), Direction.FORWARD, **knobs)
     assert streaming_plan.supports(key)
     cb = -(-head_dim // (key.knobs.cv * key.knobs.vec))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -81,7 +83,7 @@ def run_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff, groups=None, **
     num_tokens, width = kv.shape
     head_dim = width // coff
     key = streaming_plan.configure(ratio, coff, head_dim, str(kv.dtype).removeprefix("torch."),
-                                   host.device_arch(), True, **knobs)
+                                   host.device_arch(), Direction.BACKWARD, **knobs)
     assert streaming_plan.supports(key)
     cb = -(-head_dim // (key.knobs.cv * key.knobs.vec))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -252,7 +254,7 @@ def test_adversarial_offsets_stay_in_bounds(seed):
 def test_host_selects_streaming_and_matches():
     spec = PackSpec((1000, 300), ratio=128, coff=1, head_dim=128, extra_rows=2)
     pack = make_pack(spec, dtype=torch.bfloat16, device="cuda", seed=9)
-    key = host.select_key(128, 1, 128, "bfloat16", host.device_arch(), False)
+    key = host.select_key(128, 1, 128, "bfloat16", host.device_arch(), Direction.FORWARD)
     assert key is not None and key.family == "streaming"
     args = (*pack.tensors(), 128, 1)
     assert host.supports(*args)
@@ -323,7 +325,8 @@ def test_certified_forward_within_one_step_of_the_region(spec, dtype):
         pytest.skip("torch's order is not modelled for this window and head_dim")
     pack = make_pack(spec, dtype=dtype, device="cuda", seed=14)
     key = streaming_plan.configure(spec.ratio, spec.coff, spec.head_dim,
-                                   str(dtype).removeprefix("torch."), host.device_arch(), False)
+                                   str(dtype).removeprefix("torch."), host.device_arch(),
+                                   Direction.FORWARD)
     assert key.knobs.parity == 1
     out = run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
     assert_within_one_step(out, _region(pack), "out", max_fraction=1e-2)

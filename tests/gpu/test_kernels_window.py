@@ -24,8 +24,8 @@ from helpers import (
 )
 
 from csa_ops import host, reference
-from csa_ops.config import with_knobs
-from csa_ops.kernels.window_plan import WINDOW_MAX
+from csa_ops.config import Direction, with_knobs
+from csa_ops.kernels.window.plan import WINDOW_MAX
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -86,7 +86,7 @@ def _reference_grads(pack, grad_out):
 
 def _forward_key(spec, dtype):
     return host.select_key(spec.ratio, spec.coff, spec.head_dim, str(dtype).split(".")[-1],
-                           host.device_arch(), False)
+                           host.device_arch(), Direction.FORWARD)
 
 
 def _forward_like_reference(out, ref, spec, what):
@@ -135,7 +135,7 @@ def test_forward_paths_and_determinism(dtype, fast):
     grad_out = _grad_out(spec, dtype, seed=4)
     default = _forward_key(spec, dtype)
     assert default.knobs.fast_exp == (dtype == torch.bfloat16)
-    host.set_key(with_knobs(default, fast_exp=fast), False)
+    host.set_key(with_knobs(default, fast_exp=fast), Direction.FORWARD)
     try:
         first = _run(pack, grad_out)
         ref_out = eager_region(*pack.args())
@@ -148,7 +148,7 @@ def test_forward_paths_and_determinism(dtype, fast):
             for a, b, name in zip(first, again, ("out", "grad_kv", "grad_score", "grad_ape")):
                 assert_bitwise_equal(a, b, f"run-to-run {name}")
     finally:
-        host.set_key(default, False)
+        host.set_key(default, Direction.FORWARD)
 
 
 @pytest.mark.parametrize("coff", (1, 2))
@@ -321,11 +321,11 @@ def test_fast_forward_near_the_certificate_threshold(head_dim):
     assert int(((degrees > 1e-3) & (degrees < 1e-2)).sum()) > degrees.numel() // 5
     out = host.run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
     ref = eager_region(*pack.args())
-    host.set_key(with_knobs(default, fast_exp=0), False)
+    host.set_key(with_knobs(default, fast_exp=0), Direction.FORWARD)
     try:
         exact = host.run_forward(*pack.tensors(), spec.ratio, spec.coff, spec.capacity)
     finally:
-        host.set_key(default, False)
+        host.set_key(default, Direction.FORWARD)
     assert_bitwise_equal(exact, ref, "exact forward")
     assert_within_one_step(out, ref, "default forward")
     assert not torch.equal(out, exact)  # some columns took the fast path

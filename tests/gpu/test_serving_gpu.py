@@ -137,7 +137,7 @@ def test_long_calls_of_few_requests_place_rows_by_lanes(ratio, coff):
         problem = host.extend_problem(req.kv[0].new_empty(tokens, req.width), ratio, coff,
                                       len(call))
         assert problem.key.knobs.lane_requests, call
-        assert extend_plan.size_class(tokens, len(call)) == extend_plan.FEW_LARGE
+        assert extend_plan.size_class(tokens, len(call)) == extend_plan.SizeClass.FEW_LARGE
     slot_of = permuted_slots(len(lengths), len(lengths) + 2, 6)
     state = CompressorState(len(lengths) + 2, ratio, coff, 128, torch.bfloat16, "cuda")
     rows, consumed = run_schedule(req, schedule, state, slot_of, extra_rows=3)
@@ -186,7 +186,7 @@ def test_many_requests_count_rows_over_several_chunks(ratio, coff):
     (register windows) or scans (streaming). Rows, cu_seqlens_comp, padding and state
     bitwise against the one-shot csa::compressor and the documented state."""
     from csa_ops import host
-    from csa_ops.kernels import requests
+    from csa_ops.kernels.shared import requests
 
     num_requests, head_dim, num_slots = 1030, 64, 1037
     rng = random.Random(5)
@@ -452,7 +452,7 @@ def test_adversarial_slots_and_positions_stay_in_bounds(ratio, coff):
 
 
 @pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 128), (2, 2, 512),
-                                              (128, 1, 512), (128, 2, 128)])
+                                                 (128, 1, 512), (128, 2, 128)])
 def test_configs_run_the_extend_kernel(ratio, coff, head_dim):
     """Both families (register windows, streaming for r128) run a kernel through a prepared
     call: a repeated signature looks nothing up."""
@@ -537,7 +537,8 @@ def test_rows_launch_alone_leaves_the_heads_and_the_state(ratio, coff, head_dim,
     first launch's write landed after it."""
     from csa_ops import host
     from csa_ops.config import with_knobs
-    from csa_ops.kernels import extend_plan, streaming_plan
+    from csa_ops.kernels import extend_plan
+    from csa_ops.kernels.streaming import plan as streaming_plan
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     width, num_slots = coff * head_dim, 6

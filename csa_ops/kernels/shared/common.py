@@ -12,7 +12,7 @@ import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, cute
 from cutlass._mlir_helpers.math import RoundingMode
 
-from ..config import TYPES
+from ...config import TYPES
 from . import torch_order
 
 _RN = RoundingMode.NEAREST_EVEN

@@ -1,22 +1,33 @@
-"""Streaming family, host side: key heuristic, support, launch plans, key enumerator.
+"""Streaming family, host side: keys, support, launch plans of all three directions.
 
 Pure Python, no DSL: keys and launch plans are chosen without importing the compiler. The
-device code is kernels/streaming.py.
+device code is kernels.py (forward, backward) and extend.py.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..config import TYPES, KernelKey, LaunchPlan, StreamingKnobs, widest_vec, with_knobs
-from . import torch_order
+from ...config import (
+    TYPES,
+    Direction,
+    KernelKey,
+    LaunchPlan,
+    Parity,
+    Part,
+    StreamingKnobs,
+    widest_vec,
+    with_knobs,
+)
+from ..calls import SizeClass, check_lanes
+from ..shared import torch_order
 
 MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
 MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
 SMEM_PER_SM = 227 * 1024
 EXTEND_WAVES = 4  # extend CTAs per column block: this many waves of the forward's CTA slots
 FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
-# Cross-warp partials of a row (kernels/streaming.py): max, sum e, sum e*v and the forward's
+# Cross-warp partials of a row (kernels.py): max, sum e, sum e*v and the forward's
 # certificate sums (sum e|v|, sum |v|).
 RED_KINDS = 5
 
@@ -47,16 +58,18 @@ def key_smem_bytes(key: KernelKey, backward: bool) -> int:
     """Shared memory of one CTA of `key` in one direction."""
     k = key.knobs
     # A rows launch by lanes keeps a third row table: each entry's output row.
-    tables = 3 if k.part == 2 and k.lane_requests else 2
+    tables = 3 if k.part == Part.ROWS and k.lane_requests else 2
     return _smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, backward, k.stages,
                        bool(k.parity), tables)
 
 
-def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
-              *, cv: int | None = None, ctas: int | None = None, stages: int | None = None,
-              **overrides: int) -> KernelKey:
-    """Heuristic key for one direction. `cv`, `ctas` and `stages` override the heuristic and
-    the knobs that depend on them follow; `overrides` set any other knob by name."""
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+              direction: Direction, *, cv: int | None = None, ctas: int | None = None,
+              stages: int | None = None, **overrides: int) -> KernelKey:
+    """Heuristic key for one direction (extend: the forward's). `cv`, `ctas` and `stages`
+    override the heuristic and the knobs that depend on them follow; `overrides` set any
+    other knob by name."""
+    backward = direction is Direction.BACKWARD
     eb = TYPES[dtype].bytes
     vec = widest_vec(head_dim, eb, 16 // eb)
     cv0, wpc, kt = _shape(coff * ratio, head_dim, vec)
@@ -67,8 +80,9 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backw
     nt = 32 * cv * wpc
     ctas = max(1, min(4, 512 // nt)) if ctas is None else ctas
     # The forward certifies each column against torch's order and recomputes in that order
-    # the few it cannot (SPEC 3: within one rounding step of the eager region).
-    parity = int(not backward and torch_order.supported(coff * ratio, head_dim))
+    # the few it cannot: within one rounding step of the eager region, every column.
+    certify = not backward and torch_order.supported(coff * ratio, head_dim)
+    parity = Parity.UNCERTIFIED if certify else Parity.NEVER
     while stages is None:
         fits = [s for s in (4, 3, 2)
                 if _smem_bytes(eb, vec, cv, wpc, kt, backward, s, parity) * ctas <= SMEM_PER_SM]
@@ -96,23 +110,22 @@ def supports(key: KernelKey) -> bool:
         return False
     if k.threads > 1024 or 32 * k.wpc * k.kt < key.window or 32 % k.vec:
         return False
-    if k.parity not in (0, 1, 2) or (
-            k.parity and not torch_order.supported(key.window, key.head_dim)):
+    if k.parity and not torch_order.supported(key.window, key.head_dim):
         return False
     smem = max(key_smem_bytes(key, backward) for backward in (False, True))
     return smem <= SMEM_PER_SM
 
 
 def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
-                   backward: bool):
+                   direction: Direction):
     """All supported keys worth timing for one problem (autotuning): CTA widths, CTAs per
     SM and the lean row path, around the heuristic's other knobs."""
     seen = set()
     for cv in (1, 2, 4, 8):
         for ctas in (None, 1, 2, 3, 4):
             for lean in (False, True):
-                key = configure(ratio, coff, head_dim, dtype, arch, backward, cv=cv, ctas=ctas,
-                                lean=lean)
+                key = configure(ratio, coff, head_dim, dtype, arch, direction, cv=cv,
+                                ctas=ctas, lean=lean)
                 if key not in seen and supports(key):
                     seen.add(key)
                     yield key
@@ -148,8 +161,8 @@ def quiet_lanes(key: KernelKey) -> int:
     return min(32, key.knobs.cv * key.coff)
 
 
-def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
-                num_sms: int) -> LaunchPlan:
+def plan_extend_launch(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+                       num_sms: int) -> LaunchPlan:
     """csa::compressor_extend: work items (each request, then each output row) strided over
     `groups` CTAs per column block, at most MAX_ROWS per CTA; at least one CTA, which writes
     cu_seqlens_comp. A CTA runs its items that pool a window one after another: up to
@@ -160,13 +173,13 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
     batch scan, the loads before a store) are paid once. Where CTAs share items, its group
     count is odd: requests whose blocks complete together are often a power of two apart
     (positions that advanced together, power-of-two ratios), and would otherwise share a
-    CTA. A split call (part knob, extend_plan.for_size) launches the requests' items (part
-    1, this plan), then the other rows (part 2, `plan_rows`)."""
-    if key.knobs.part == 2:
+    CTA. A split call (part knob, extend_key) launches the requests' items (part
+    REQUESTS, this plan), then the other rows (part ROWS, `plan_rows`)."""
+    if key.knobs.part == Part.ROWS:
         raise ValueError(f"a split call's rows launch is planned beside its requests' "
                          f"(plan_rows), got {key!r}")
     cb = column_blocks(key)
-    items = max(1, num_requests + (0 if key.knobs.part == 1 else num_rows))
+    items = max(1, num_requests + (0 if key.knobs.part == Part.REQUESTS else num_rows))
     step = num_tokens == num_requests
     groups = min(items, max(1, (1 if step else EXTEND_WAVES) * num_sms * key.knobs.ctas // cb))
     if step and groups % 2 == 0 and groups < items:
@@ -210,8 +223,8 @@ def rows_by_lanes(key: KernelKey, num_rows: int, num_requests: int, groups: int)
 
 
 def narrow(key: KernelKey) -> KernelKey:
-    """Launch knobs of csa::compressor_extend's latency-bound launches (extend_plan: decode-
-    sized calls and steps, a split call's rows launch) from key `key`: CTAs half as wide (a
+    """Launch knobs of csa::compressor_extend's latency-bound launches (decode-sized calls
+    and steps, a split call's rows launch) from key `key`: CTAs half as wide (a
     column's bits do not depend on the CTA's width), as many per SM as shared memory holds
     (up to 4); `key` itself where that key is not supported. Narrower CTAs gather less each
     and spread a call's few items over more SMs, and a split call's rows launch shares SMs
@@ -228,8 +241,52 @@ def narrow(key: KernelKey) -> KernelKey:
     return narrower if supports(narrower) else key
 
 
-def launch_entry(key: KernelKey, backward: bool):
-    """The `@cute.jit` launch entry of one direction (imports the DSL)."""
-    from . import streaming
+def extend_key(key: KernelKey, size: SizeClass) -> KernelKey:
+    """The extend key of forward key `key` for calls of size class `size`. Decode-sized
+    calls and steps: CTAs of few latency-bound items (`narrow`). Larger calls split: the
+    rows past the requests' heads run in the forward's own pipelined loop beside the
+    requests' launch (PDL, whatever the forward's). Steps of more requests keep the
+    forward's CTAs: every CTA scans the batch, and a narrower one takes twice as long over
+    it (d512 r128 c1 B1024 graph replay 10.72 us against 9.18). Split calls of few requests
+    place part 2's rows by lanes, evenly (lane_requests)."""
+    if size in (SizeClass.DECODE_SIZED, SizeClass.STEP):
+        return narrow(key)
+    if size == SizeClass.FEW_LARGE:
+        return with_knobs(key, part=Part.REQUESTS, pdl=True, lane_requests=True)
+    if size == SizeClass.LARGE:
+        return with_knobs(key, part=Part.REQUESTS, pdl=True)
+    return key
 
-    return streaming.launch_entry(key, backward)
+
+def extend_launches(key: KernelKey) -> tuple[KernelKey, ...]:
+    """The kernels one call of extend key `key` launches, in order: itself, or a split
+    call's requests' launch and rows launch. Part 1 is the same kernel whichever way part 2
+    places its rows (one key for it). The rows launch in narrower CTAs, which share SMs with
+    the requests' and run in one wave (`plan_rows`). The requests' launch keeps the
+    forward's: narrowed, it gained in one machine session and lost in another (d512 r128 c1
+    4 x 2048, graph replay: 14.71 us against 15.61; 13.92 and 14.66 against 13.75)."""
+    if not key.knobs.part:
+        return (key,)
+    if key.knobs.part != Part.REQUESTS:  # its rows launch has launch knobs of its own
+        raise ValueError(f"extend_launches takes a split call's first part, got {key!r}")
+    return (with_knobs(key, lane_requests=False), with_knobs(narrow(key), part=Part.ROWS))
+
+
+def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+                num_sms: int) -> tuple[tuple[KernelKey, LaunchPlan], ...]:
+    """(key, plan) of each launch of one call of extend key `key` (extend_key's). A split
+    call's rows launch is planned beside its requests' launch, and places its rows by lanes
+    only where it sets the call's time (rows_by_lanes); else by the scan (class LARGE's
+    kernel)."""
+    first, *rest = extend_launches(key)
+    first_plan = plan_extend_launch(first, num_tokens, num_requests, num_rows, num_sms)
+    planned = ((first, first_plan),)
+    for part in rest:
+        check_lanes(part, num_requests)
+        laid = plan_rows(part, num_rows, num_sms, first, first_plan.grid)
+        groups = laid.grid // column_blocks(part)
+        if part.knobs.lane_requests and not rows_by_lanes(part, num_rows, num_requests,
+                                                          groups):
+            part = with_knobs(part, lane_requests=False)
+        planned += ((part, laid),)
+    return planned

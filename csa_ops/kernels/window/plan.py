@@ -1,14 +1,24 @@
-"""Register-window family, host side: key heuristic, support, launch plans, key enumerator.
+"""Register-window family, host side: keys, support, launch plans of all three directions.
 
 Pure Python, no DSL: keys and launch plans are chosen without importing the compiler. The
-device code is kernels/window.py, which builds on `Geometry` below.
+device code (forward.py, backward.py, extend.py) builds on `Geometry` below.
 """
 
 from __future__ import annotations
 
 import functools
 
-from ..config import TYPES, KernelKey, LaunchPlan, WindowKnobs, widest_vec, with_knobs
+from ...config import (
+    TYPES,
+    Direction,
+    KernelKey,
+    LaunchPlan,
+    Part,
+    WindowKnobs,
+    widest_vec,
+    with_knobs,
+)
+from ..calls import SizeClass, check_lanes, from_forward
 
 # Largest window (coff * ratio) the family keeps in registers; larger ones go to streaming.
 WINDOW_MAX = 32
@@ -19,14 +29,16 @@ NARROW_WINDOW_MAX = 8
 CTAS_PER_SM = 4  # backward grid-stride target; more CTAs only add grad_ape partials
 
 
-def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str, backward: bool,
-              **overrides: int) -> KernelKey:
-    """Heuristic key for one direction; `overrides` set knobs by name (autotuning).
+def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
+              direction: Direction, **overrides: int) -> KernelKey:
+    """Heuristic key for one direction (extend: the forward's); `overrides` set knobs by
+    name (autotuning).
 
     A thread holds window * vec elements of kv and of score in registers (at most 64 each,
     and the backward's grad_ape partials in shared memory also scale with it), so wide
     windows trade vector width for registers.
     """
+    backward = direction is Direction.BACKWARD
     vec, threads = _vec_threads(ratio, coff, head_dim, dtype, backward)
     knobs = WindowKnobs(vec, threads, **_flags(coff * ratio, head_dim, dtype, backward))
     key = KernelKey("window", ratio, coff, head_dim, dtype, arch, knobs)
@@ -40,7 +52,7 @@ def _flags(window: int, head_dim: int, dtype: str, backward: bool) -> dict[str, 
         # 1x8192 24.0 against 25.0); at d128 the 1-D grid won (1x8192 9.9 against 10.2).
         return {"linear": head_dim <= NARROW_HEAD_DIM}
     # The bf16 forward takes the certified fast softmax (kernels/window.py, _output_fast):
-    # within one output rounding step, as SPEC 3 allows (H200: 3x8192 d512 r4 c2 30.7
+    # within one output rounding step, as the numerics contract allows (H200: 3x8192 d512 r4 c2 30.7
     # against 34.9 us, 142 of 3.1M elements one step off). fp16's 8x finer step would send
     # 8x more columns to the exact fallback, and fp32 has no slack: both stay exact. Short
     # windows over narrow rows are latency-bound, and there the certificate's longer chain
@@ -74,10 +86,11 @@ def supports(key: KernelKey) -> bool:
 
 
 def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
-                   backward: bool):
+                   direction: Direction):
     """All keys worth timing for one problem (autotuning): vector widths and CTA sizes
     around the heuristic's other knobs."""
-    base = configure(ratio, coff, head_dim, dtype, arch, backward)
+    backward = direction is Direction.BACKWARD
+    base = configure(ratio, coff, head_dim, dtype, arch, direction)
     vmax = widest_vec(head_dim, TYPES[dtype].bytes, max(1, 64 // (coff * ratio)))
     for vec in (v for v in (1, 2, 4, 8, 16) if v <= vmax):
         for threads in (64, 128, 256):
@@ -122,8 +135,70 @@ def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) 
     return LaunchPlan(grid=grid, workspace=grid * g.E)
 
 
-def launch_entry(key: KernelKey, backward: bool):
-    """The `@cute.jit` launch entry of one direction (imports the DSL)."""
-    from . import window
+# csa::compressor_extend. Launch knobs by call size (new tokens). H200, d512 r4 c2 bf16,
+# CUDA-graph replay per call, against the forward key's vec 4 / 128 threads: decode at batch
+# 1 / 64 / 256 takes 2.90 / 3.24 / 5.42 us with vec 2 / 128 threads (4.03 / 4.43 / 6.37):
+# small calls want more, narrower CTAs. Decode-sized calls also preload one-token requests'
+# state updates (kernel time at batch 64 / 256: 2.78 / 5.16 us against 3.10 / 5.49).
+# Decode steps let each request pool its own rows (request_rows): no row items, and a CTA
+# sums the rows before its requests instead of scanning the batch (batch 1 / 64 / 256 /
+# 1024 2.66 / 2.99 / 4.76 / 15.0 us against 2.81 / 3.26 / 5.09 / 21.8 with the batch scan).
+# Larger calls split (part): the requests' items, whose windows held across the scan cost
+# registers (118 against the forward's 77: 4 CTAs per SM instead of 6), launch apart from
+# the row items, which then run at 77; the first part's CTAs take few items' knobs (4 x
+# 2048: 13.98 against 15.30 us at the forward's vec 4; training forward 13.34). Split calls
+# of few requests and many tokens place their row items by lanes (lane_requests): part 2
+# then runs as fast as the training forward (ncu, 4 x 8192: 51.9 against 52.6 us; with the
+# batch scan 58.1 us). Below LANE_TOKENS the first part's chain of loads sets the call's
+# time and part 2's earlier loads slow it down (4 x 256: 7.42 against 6.89 us).
 
-    return window.launch_entry(key, backward)
+
+def extend_key(key: KernelKey, size: SizeClass) -> KernelKey:
+    """The extend key of forward key `key` for calls of size class `size`."""
+    if size in (SizeClass.STEP, SizeClass.LARGE_STEP):
+        # A call with as many tokens as requests may still give one request several (its
+        # rows past coff then pool one after another): correct, if slower than row items.
+        return with_knobs(extend_key(key, SizeClass.DECODE_SIZED), request_rows=True)
+    if size == SizeClass.DECODE_SIZED:
+        return _few_items(key, preload_decode=True)
+    return from_forward(key, part=Part.REQUESTS, lane_requests=size == SizeClass.FEW_LARGE)
+
+
+def _few_items(key: KernelKey, **knobs: int) -> KernelKey:
+    """Launch knobs for CTAs of few items (decode-sized calls, a split call's requests):
+    more, narrower CTAs."""
+    return from_forward(key, vec=min(key.knobs.vec, 2), threads=128, **knobs)
+
+
+def extend_launches(key: KernelKey) -> tuple[KernelKey, ...]:
+    """The kernels one call of extend key `key` launches, in order: itself, or a split
+    call's two parts (requests' items, at few items' knobs, then row items). Part 1 is the
+    same kernel whichever way part 2 places its rows (one key for it)."""
+    if not key.knobs.part:
+        return (key,)
+    return (_few_items(with_knobs(key, lane_requests=False), part=Part.REQUESTS),
+            with_knobs(key, part=Part.ROWS))
+
+
+def plan_extend_launch(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+                       num_sms: int) -> LaunchPlan:
+    """One launch of extend key `key` (an entry of extend_launches): one CTA per `rpc` work
+    items and column chunk; the items are each request's (its state), then each output row
+    unless the key's requests pool their own rows; a split call's parts have the requests'
+    items and the row items. At least one CTA: a launch with row items, or whose requests
+    pool their own rows, writes cu_seqlens_comp."""
+    check_lanes(key, num_requests)
+    if key.knobs.request_rows or key.knobs.part == Part.REQUESTS:
+        items = num_requests
+    elif key.knobs.part == Part.ROWS:
+        items = num_rows
+    else:
+        items = num_requests + num_rows
+    return LaunchPlan(grid=max(1, -(-items // geometry(key).rpc)))
+
+
+def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: int,
+                num_sms: int) -> tuple[tuple[KernelKey, LaunchPlan], ...]:
+    """(key, plan) of each launch of one call of extend key `key` (extend_key's)."""
+    return tuple((part, plan_extend_launch(part, num_tokens, num_requests, num_rows, num_sms))
+                 for part in extend_launches(key))
