@@ -149,7 +149,7 @@ def epilogue_rows_backward(grad_out: torch.Tensor, pooled: torch.Tensor,
     x = pooled.to(acc)
     inv_rms = inverse_rms(x, params.eps)
     normed = x * inv_rms
-    grad_weight = (g * normed).sum(0)
+    grad_weight = torch.where(valid[:, None], g * normed, 0.0).sum(0)
     scaled = g * weight
     # d/dx of x * r(x), r = rsqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
     grad_x = (scaled - normed * row_mean(normed * scaled)) * inv_rms
@@ -206,6 +206,15 @@ def compressor_epilogue_oracle(kv, score, ape, cu_seqlens, cu_seqlens_comp, rati
 # and NaN or zero element codes, so it decodes to NaN, never to clean-looking values.
 
 
+def bitcast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, k) ``t``'s bytes read as ``dtype`` along the last dim (little-endian, as the
+    devices torch runs on), for no rows too (an empty tensor's strides refuse a view)."""
+    if t.numel() == 0:
+        width = t.shape[-1] * t.element_size() // torch.empty(0, dtype=dtype).element_size()
+        return torch.empty(*t.shape[:-1], width, dtype=dtype, device=t.device)
+    return t.contiguous().view(dtype)
+
+
 def ceil_log2(v: torch.Tensor) -> torch.Tensor:
     """Exact ceil(log2(v)) (int32) of positive finite fp32 values, from their bits."""
     mantissa, exponent = torch.frexp(v)  # v = mantissa * 2**exponent, mantissa in [0.5, 1)
@@ -252,7 +261,7 @@ def decode_ue8m0(scale: torch.Tensor) -> torch.Tensor:
 def _pow2_blocks(x: torch.Tensor, block: int, floor: float, top: float):
     """(scaled values, UE8M0 bytes, finite) of (N, k*block) fp32 values in blocks of
     ``block``: scale 2**ceil(log2(max(amax, floor) / top)), the quotient rounded to fp32."""
-    blocks = x.reshape(x.shape[0], -1, block)
+    blocks = x.reshape(x.shape[0], x.shape[1] // block, block)
     amax = blocks.abs().amax(-1)
     finite = torch.isfinite(amax)
     exponent = torch.where(finite, ceil_log2(amax.clamp(min=floor) / top), 0)
@@ -267,17 +276,18 @@ def encode_fp8_ds_mla(rows: torch.Tensor):
     x = rows[:, :DS_MLA_FP8_DIM].to(torch.float32)
     scaled, scale, finite = _pow2_blocks(x, DS_MLA_BLOCK, DS_MLA_SCALE_FLOOR, FP8_MAX)
     codes = torch.where(finite[..., None], encode_e4m3(scaled), E4M3_NAN)
-    rope_bytes = rows[:, DS_MLA_FP8_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    data = torch.cat((codes.reshape(rows.shape[0], -1), rope_bytes), dim=1)
+    rope_bytes = bitcast(rows[:, DS_MLA_FP8_DIM:].to(torch.bfloat16), torch.uint8)
+    data = torch.cat((codes.reshape(rows.shape[0], DS_MLA_FP8_DIM), rope_bytes), dim=1)
     scales = torch.cat((scale, scale.new_zeros(rows.shape[0], 1)), dim=1)
     return data, scales
 
 
 def decode_fp8_ds_mla(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    codes = data[:, :DS_MLA_FP8_DIM].reshape(data.shape[0], -1, DS_MLA_BLOCK)
+    codes = data[:, :DS_MLA_FP8_DIM].reshape(data.shape[0], DS_MLA_FP8_DIM // DS_MLA_BLOCK,
+                                             DS_MLA_BLOCK)
     values = decode_e4m3(codes) * decode_ue8m0(scales[:, :-1])[..., None]
-    rope_part = data[:, DS_MLA_FP8_DIM:].contiguous().view(torch.bfloat16).to(torch.float32)
-    return torch.cat((values.reshape(data.shape[0], -1), rope_part), dim=1)
+    rope_part = bitcast(data[:, DS_MLA_FP8_DIM:], torch.bfloat16).to(torch.float32)
+    return torch.cat((values.reshape(data.shape[0], DS_MLA_FP8_DIM), rope_part), dim=1)
 
 
 def encode_fp8_block128(rows: torch.Tensor) -> torch.Tensor:
@@ -286,21 +296,21 @@ def encode_fp8_block128(rows: torch.Tensor) -> torch.Tensor:
     so small that amax / 448 underflows) stores zero codes and scale 0: it decodes to
     exact zeros."""
     x = rows.to(torch.float32)
-    blocks = x.reshape(x.shape[0], -1, BLOCK128)
+    blocks = x.reshape(x.shape[0], x.shape[1] // BLOCK128, BLOCK128)
     scale = blocks.abs().amax(-1) / FP8_MAX
     finite = torch.isfinite(scale)
     usable = (finite & (scale > 0))[..., None]
     codes = encode_e4m3(blocks / torch.where(usable, scale[..., None], 1.0))
     codes = torch.where(usable, codes, torch.where(finite[..., None], 0, E4M3_NAN))
     scale = torch.where(finite, scale, float("nan"))
-    return torch.cat((codes.reshape(x.shape[0], -1).to(torch.uint8),
-                      scale.contiguous().view(torch.uint8)), dim=1)
+    return torch.cat((codes.reshape(x.shape).to(torch.uint8),
+                      bitcast(scale, torch.uint8)), dim=1)
 
 
 def decode_fp8_block128(data: torch.Tensor) -> torch.Tensor:
     d = data.shape[1] * BLOCK128 // (BLOCK128 + 4)
-    codes = data[:, :d].reshape(data.shape[0], -1, BLOCK128)
-    scale = data[:, d:].contiguous().view(torch.float32)
+    codes = data[:, :d].reshape(data.shape[0], d // BLOCK128, BLOCK128)
+    scale = bitcast(data[:, d:], torch.float32)
     return (decode_e4m3(codes) * scale[..., None]).reshape(data.shape[0], d)
 
 
@@ -312,7 +322,7 @@ def encode_mxfp4(rows: torch.Tensor) -> torch.Tensor:
     scaled, scale, finite = _pow2_blocks(x, MX_BLOCK, MX_AMAX_FLOOR, FP4_MAX)
     codes = torch.where(finite[..., None], encode_e2m1(torch.where(finite[..., None], scaled,
                                                                    0.0)), 0)
-    codes = codes.reshape(x.shape[0], -1)
+    codes = codes.reshape(x.shape)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return torch.cat((packed, scale), dim=1)
 
@@ -320,7 +330,8 @@ def encode_mxfp4(rows: torch.Tensor) -> torch.Tensor:
 def decode_mxfp4(data: torch.Tensor) -> torch.Tensor:
     d = data.shape[1] * MX_BLOCK // (MX_BLOCK // 2 + 1)
     packed = data[:, :d // 2]
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(data.shape[0], -1, MX_BLOCK)
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(data.shape[0], d // MX_BLOCK,
+                                                                    MX_BLOCK)
     scale = decode_ue8m0(data[:, d // 2:])
     return (decode_e2m1(codes) * scale[..., None]).reshape(data.shape[0], d)
 

@@ -1,0 +1,435 @@
+"""csa::compressor_epilogue and its backward on the CPU: the composition as models write it,
+the fp64 oracle, gradients (torch autograd, gradcheck), opcheck, fakes, compile, errors.
+
+`model_epilogue` writes the epilogue the way model code does (a mean, complex RoPE, a
+Hadamard matrix) and shares no code with csa_ops.reference_epilogue: agreement is evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import csa_ops.meta.epilogue  # noqa: F401  (registers the fakes)
+import pytest
+import torch
+from helpers import PackSpec, assert_bitwise_equal, assert_within_one_step, make_pack, ulp
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from csa_ops import epilogue, reference_epilogue
+
+FORWARD = torch.ops.csa.compressor_epilogue.default
+BACKWARD = torch.ops.csa.compressor_epilogue_backward.default
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lengths: tuple
+    ratio: int
+    coff: int
+    head_dim: int
+    dtype: torch.dtype
+    rope_dim: int
+    rotate: bool
+    offsets: bool = True
+    extra_rows: int | None = 2  # None: total_comp=None (the true row count)
+    weight_dtype: torch.dtype = torch.float32
+
+    @property
+    def spec(self) -> PackSpec:
+        return PackSpec(self.lengths, self.ratio, self.coff, self.head_dim,
+                        extra_tokens=1, extra_rows=self.extra_rows or 0)
+
+    @property
+    def total_comp(self):
+        return None if self.extra_rows is None else self.spec.capacity
+
+
+def _id(case: Case) -> str:
+    return (f"r{case.ratio}c{case.coff}_d{case.head_dim}_{str(case.dtype)[6:]}_rope"
+            f"{case.rope_dim}{'_rot' if case.rotate else ''}{'_off' if case.offsets else ''}"
+            f"{'_none' if case.extra_rows is None else ''}_w{str(case.weight_dtype)[6:]}")
+
+
+CASES = [
+    Case((13, 0, 9, 4), 4, 2, 128, torch.bfloat16, 64, True),
+    Case((9, 3, 8), 4, 1, 64, torch.bfloat16, 0, False, offsets=False, extra_rows=None),
+    Case((7, 5), 2, 2, 64, torch.bfloat16, 64, False, weight_dtype=torch.bfloat16),
+    Case((10, 6, 1), 3, 1, 128, torch.float16, 32, True, offsets=False),
+    Case((12, 9), 4, 2, 64, torch.float32, 16, True, extra_rows=None),
+]
+LOW_PRECISION = [c for c in CASES if c.dtype != torch.float32]
+
+
+def rope_tables(rope_dim: int, max_position: int = 96, theta: float = 10000.0):
+    """(cos, sin) fp32 (max_position, rope_dim // 2): angle p * theta**(-2i / rope_dim)."""
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def make_inputs(case: Case, seed: int = 0, requires_grad: bool = False) -> dict:
+    """The op's arguments by name (kv, score, ape from helpers.make_pack)."""
+    ape_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    pack = make_pack(case.spec, case.dtype, seed=seed, ape_dtype=ape_dtype)
+    gen = torch.Generator().manual_seed(seed + 100)
+    weight = (1 + 0.25 * torch.randn(case.head_dim, generator=gen)).to(case.weight_dtype)
+    offsets = torch.randint(0, 8, (len(case.lengths),), generator=gen, dtype=torch.int32)
+    cos, sin = rope_tables(case.rope_dim) if case.rope_dim else (None, None)
+    leaves = [pack.kv, pack.score, pack.ape, weight]
+    if requires_grad:
+        leaves = [t.clone().requires_grad_(True) for t in leaves]
+    kv, score, ape, weight = leaves
+    return {"kv": kv, "score": score, "ape": ape, "cu_seqlens": pack.cu_seqlens,
+            "cu_seqlens_comp": pack.cu_seqlens_comp, "ratio": case.ratio, "coff": case.coff,
+            "norm_weight": weight, "eps": 1e-6, "cos": cos, "sin": sin,
+            "rope_dim": case.rope_dim, "position_offset": offsets if case.offsets else None,
+            "rotate": case.rotate, "total_comp": case.total_comp}
+
+
+def positional(inputs: dict) -> tuple:
+    return tuple(inputs[name] for name in epilogue.FORWARD_ARGS)
+
+
+def row_positions(inputs: dict, rows: int) -> list:
+    """Position of every output row, from the lengths in plain Python: block b of sequence
+    s at b * ratio + position_offset[s]; padding rows at 0 (never read)."""
+    cu = inputs["cu_seqlens"].tolist()
+    offsets = inputs["position_offset"]
+    positions = []
+    for s in range(len(cu) - 1):
+        offset = 0 if offsets is None else int(offsets[s])
+        positions += [b * inputs["ratio"] + offset
+                      for b in range((cu[s + 1] - cu[s]) // inputs["ratio"])]
+    return positions + [0] * (rows - len(positions))
+
+
+def sylvester(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def model_epilogue(pooled, inputs: dict):
+    """The epilogue as model code writes it: fp32 from the rounded row, rounded per step."""
+    dtype, rows = pooled.dtype, pooled.shape[0]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    x = pooled.to(acc)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + inputs["eps"])
+    x = (x * inputs["norm_weight"].to(acc)).to(dtype)
+    rope_dim = inputs["rope_dim"]
+    if rope_dim:
+        index = torch.tensor(row_positions(inputs, rows))
+        freqs = torch.complex(inputs["cos"][index].to(acc), inputs["sin"][index].to(acc))
+        tail = x[:, -rope_dim:].to(acc).reshape(rows, -1, 2).contiguous()
+        turned = torch.view_as_real(torch.view_as_complex(tail) * freqs).reshape(rows, -1)
+        x = torch.cat([x[:, :-rope_dim], turned.to(dtype)], 1)
+    if inputs["rotate"]:
+        d = x.shape[1]
+        x = (x.to(acc) @ sylvester(d).to(acc) * d**-0.5).to(dtype)
+    true_rows = int(inputs["cu_seqlens_comp"][-1])
+    return torch.cat([x[:true_rows], torch.zeros_like(x[true_rows:])])
+
+
+def model_forward(inputs: dict):
+    pooled = torch.ops.csa.compressor(*(inputs[n] for n in ("kv", "score", "ape", "cu_seqlens",
+                                                             "cu_seqlens_comp", "ratio",
+                                                             "coff", "total_comp")))
+    return model_epilogue(pooled, inputs)
+
+
+def params_of(inputs: dict) -> reference_epilogue.EpilogueParams:
+    return reference_epilogue.EpilogueParams(inputs["norm_weight"], inputs["eps"],
+                                             inputs["cos"], inputs["sin"],
+                                             inputs["rope_dim"], inputs["rotate"])
+
+
+def oracle(inputs: dict):
+    names = ("kv", "score", "ape", "cu_seqlens", "cu_seqlens_comp", "ratio", "coff")
+    return reference_epilogue.compressor_epilogue_oracle(
+        *(inputs[n] for n in names), params_of(inputs), inputs["position_offset"],
+        inputs["total_comp"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_matches_model_composition(case):
+    inputs = make_inputs(case)
+    out = epilogue.compressor_epilogue(**{k: v for k, v in inputs.items()})
+    want = model_forward(inputs)
+    if case.dtype == torch.float32:
+        # No coarse final rounding hides the summation orders (mean, Hadamard matmul).
+        torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
+    else:
+        assert_within_one_step(out, want, "epilogue rows", max_fraction=1e-3)
+    rows = case.spec.capacity if case.extra_rows is not None else case.spec.true_rows
+    assert out.shape == (rows, case.head_dim) and out.dtype == case.dtype
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_close_to_fp64_oracle(case):
+    """Each of the four roundings to the row dtype costs at most half a step of the row's
+    largest value (RMSNorm and the orthonormal rotation keep errors at the row's scale)."""
+    inputs = make_inputs(case)
+    out = FORWARD(*positional(inputs)).double()
+    truth = oracle(inputs)
+    row_max = truth.abs().amax(1, keepdim=True)
+    bound = 4 * ulp(row_max, case.dtype) + 1e-12
+    assert bool(((out - truth).abs() <= bound).all())
+
+
+def test_padding_rows_are_exact_zeros_even_where_the_norm_is_nan():
+    """eps = 0 makes the norm of a zero row 0 * inf = NaN; padding rows carry no data."""
+    case = CASES[0]
+    inputs = make_inputs(case, requires_grad=True)
+    inputs["eps"] = 0.0
+    out = FORWARD(*positional(inputs))
+    true_rows = case.spec.true_rows
+    assert_bitwise_equal(out[true_rows:], torch.zeros_like(out[true_rows:]), "padding")
+    grad_out = torch.randn(out.shape).to(out.dtype)
+    grads = torch.autograd.grad(out, [inputs[n] for n in ("kv", "score", "ape", "norm_weight")],
+                                grad_out)
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _op_grads(inputs, grad_out):
+    out = FORWARD(*positional(inputs))
+    leaves = [inputs[n] for n in ("kv", "score", "ape", "norm_weight")]
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == torch.float32] + [
+    Case((9, 8), 4, 1, 64, torch.float32, 64, False, weight_dtype=torch.bfloat16),
+], ids=_id)
+def test_gradients_match_torch_autograd_of_the_composition(case):
+    inputs = make_inputs(case, requires_grad=True)
+    out = FORWARD(*positional(inputs))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    got = _op_grads(inputs, grad_out)[1:]
+    want = torch.autograd.grad(model_forward(inputs),
+                               [inputs[n] for n in ("kv", "score", "ape", "norm_weight")],
+                               grad_out)
+    for name, a, e in zip(("grad_kv", "grad_score", "grad_ape", "grad_weight"), got, want):
+        assert a.dtype == e.dtype and a.shape == e.shape, name
+        scale = float(e.abs().max()) + 1e-30
+        torch.testing.assert_close(a, e, rtol=0, atol=2e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+def test_gradcheck_fp64(coff):
+    case = Case((6, 4), 2, coff, 8, torch.float64, 4, True, extra_rows=1,
+                weight_dtype=torch.float64)
+    inputs = make_inputs(case)
+    names = ("kv", "score", "ape", "norm_weight")
+
+    def fn(*leaves):
+        return FORWARD(*positional({**inputs, **dict(zip(names, leaves))}))
+
+    leaves = [inputs[n].clone().requires_grad_(True) for n in names]
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7)
+
+
+def test_bitwise_run_to_run_and_deterministic_mode(deterministic):
+    inputs = make_inputs(CASES[0], requires_grad=True)
+    grad_out = torch.randn(CASES[0].spec.capacity, 128).bfloat16()
+    first, second = _op_grads(inputs, grad_out), _op_grads(inputs, grad_out)
+    for name, a, b in zip(("out", "grad_kv", "grad_score", "grad_ape", "grad_weight"), first,
+                          second):
+        assert_bitwise_equal(a, b, name)
+
+
+def test_without_grad_matches_with_grad():
+    inputs = make_inputs(CASES[0], requires_grad=True)
+    with torch.no_grad():
+        plain = FORWARD(*positional(inputs))
+    assert_bitwise_equal(plain, FORWARD(*positional(inputs)).detach(), "out")
+
+
+def test_rope_and_norm_only_use_their_arguments():
+    """rope_dim 0 reads no tables (None accepted); weight 1, no rotation: plain RMSNorm."""
+    case = Case((9, 8), 4, 1, 64, torch.float32, 0, False)
+    inputs = make_inputs(case)
+    inputs["norm_weight"] = torch.ones(64)
+    out = epilogue.compressor_epilogue(**inputs)
+    pooled = torch.ops.csa.compressor(*(inputs[n] for n in ("kv", "score", "ape", "cu_seqlens",
+                                                             "cu_seqlens_comp", "ratio",
+                                                             "coff", "total_comp")))
+    normed = torch.nn.functional.rms_norm(pooled, (64,), eps=1e-6)
+    torch.testing.assert_close(out, normed, rtol=1e-6, atol=1e-6)
+
+
+OPCHECK_CASES = [CASES[0], CASES[1], CASES[2], CASES[4]]
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=_id)
+def test_opcheck_forward(case):
+    torch.library.opcheck(FORWARD, positional(make_inputs(case, requires_grad=True)))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=_id)
+def test_opcheck_backward(case):
+    inputs = make_inputs(case)
+    rows = case.spec.capacity
+    grad_out = torch.randn(rows, case.head_dim).to(case.dtype)
+    torch.library.opcheck(BACKWARD, (grad_out, *positional(inputs)[:-1]))
+
+
+def _metadata(t: torch.Tensor):
+    return t.shape, t.dtype, t.stride(), t.device
+
+
+def test_fakes_have_exact_metadata():
+    inputs = make_inputs(CASES[0])
+    grad_out = torch.randn(CASES[0].spec.capacity, 128).bfloat16()
+    args = positional(inputs)
+    real = (FORWARD(*args), *BACKWARD(grad_out, *args[:-1]))
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                          for a in (grad_out, *args))
+        fake = (FORWARD(*fake_args[1:]), *BACKWARD(*fake_args[:-1]))
+    for r, f in zip(real, fake):
+        assert _metadata(r)[:3] == _metadata(f)[:3]
+
+
+class EpilogueBlock(torch.nn.Module):
+    """Projections and the op at a static capacity: a graph without generated kernels (on
+    the CPU each one is a C++ compile of seconds), so the test costs the trace alone."""
+
+    def __init__(self, dim: int, case: Case):
+        super().__init__()
+        width = case.coff * case.head_dim
+        self.case = case
+        self.wkv = torch.nn.Linear(dim, width, bias=False)
+        self.wgate = torch.nn.Linear(dim, width, bias=False)
+        self.ape = torch.nn.Parameter(0.5 * torch.randn(case.ratio, width))
+        self.norm = torch.nn.Parameter(1 + 0.25 * torch.randn(case.head_dim))
+        cos, sin = rope_tables(case.rope_dim)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+
+    def forward(self, x, cu_seqlens, cu_seqlens_comp, position_offset):
+        c = self.case
+        return epilogue.compressor_epilogue(
+            self.wkv(x), self.wgate(x), self.ape, cu_seqlens, cu_seqlens_comp, ratio=c.ratio,
+            coff=c.coff, norm_weight=self.norm, cos=self.cos, sin=self.sin,
+            rope_dim=c.rope_dim, position_offset=position_offset, rotate=c.rotate,
+            total_comp=c.total_comp)
+
+
+def test_compile_fullgraph_block_equals_eager_bitwise(compile_env):
+    torch.manual_seed(0)
+    case = Case((13, 0, 9, 4), 4, 2, 64, torch.float32, 64, True)
+    block = EpilogueBlock(32, case)
+    inputs = make_inputs(case)
+    x = torch.randn(case.spec.num_tokens, 32)
+    extra = (inputs["cu_seqlens"], inputs["cu_seqlens_comp"], inputs["position_offset"])
+    probe = torch.randn(case.spec.capacity, case.head_dim)
+
+    def step(fn):
+        block.zero_grad()
+        y = fn(x, *extra)
+        (y * probe).sum().backward()
+        return [y.detach(), *(p.grad.clone() for p in block.parameters())]
+
+    eager = step(block)
+    compiled = step(torch.compile(block, fullgraph=True))
+    for i, (a, b) in enumerate(zip(compiled, eager)):
+        assert_bitwise_equal(a, b, f"output {i}")
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs: every one names the argument.
+
+
+def _bad(name, mutate, match, error=ValueError):
+    return pytest.param(mutate, match, error, id=name)
+
+
+def _set(**changes):
+    return lambda d: d.update(changes)
+
+
+def _poke(name, index, value):
+    return lambda d: d[name].__setitem__(index, value)
+
+
+BAD_INPUTS = [
+    _bad("weight_shape", lambda d: d.update(norm_weight=d["norm_weight"][:5]),
+         r"`norm_weight` must have shape \(head_dim,\) = \(128,\)"),
+    _bad("weight_dtype", lambda d: d.update(norm_weight=d["norm_weight"].double()),
+         "`norm_weight` must be float32, bfloat16 or float16"),
+    _bad("weight_device", lambda d: d.update(norm_weight=d["norm_weight"].to("meta")),
+         "`norm_weight` must be on the device of `kv`"),
+    _bad("eps_negative", _set(eps=-1e-6), "`eps` must be a finite float >= 0"),
+    _bad("eps_nan", _set(eps=float("nan")), "`eps` must be a finite float >= 0"),
+    _bad("rope_odd", _set(rope_dim=63), r"`rope_dim` must be even and in \[0, head_dim=128\]"),
+    _bad("rope_wide", _set(rope_dim=130), "`rope_dim` must be even"),
+    _bad("rope_negative", _set(rope_dim=-2), "`rope_dim` must be even"),
+    _bad("cos_missing", _set(cos=None), "`cos` is required when rope_dim > 0"),
+    _bad("sin_missing", _set(sin=None), "`sin` is required when rope_dim > 0"),
+    _bad("cos_width", lambda d: d.update(cos=d["cos"][:, :16]),
+         r"`cos` must have shape \(max_position >= 1, rope_dim // 2 = 32\)"),
+    _bad("cos_1d", lambda d: d.update(cos=d["cos"][0]), "`cos` must have shape"),
+    _bad("cos_dtype", lambda d: d.update(cos=d["cos"].double()), "`cos` must be float32"),
+    _bad("sin_rows", lambda d: d.update(sin=d["sin"][:10]), "`sin` must have the shape of `cos`"),
+    _bad("rotate_not_pow2", lambda d: d.update(
+        kv=d["kv"][:, :192], score=d["score"][:, :192], ape=d["ape"][:, :192],
+        norm_weight=d["norm_weight"][:96]), "`rotate` needs a power-of-two head_dim"),
+    _bad("offset_int64", lambda d: d.update(position_offset=d["position_offset"].long()),
+         r"`position_offset` must be an int32 tensor of shape \(B,\) = \(4,\)"),
+    _bad("offset_length", lambda d: d.update(position_offset=d["position_offset"][:2]),
+         "`position_offset` must be an int32 tensor"),
+    _bad("offset_negative", _poke("position_offset", 2, -1),
+         r"`position_offset\[2\]` = -1 puts row 0 of segment 2 at a negative position"),
+    _bad("position_past_table", lambda d: d.update(cos=d["cos"][:9], sin=d["sin"][:9]),
+         "`cos`/`sin` hold 9 positions, but row 2 of segment 0 sits at position"),
+    _bad("ratio_zero", _set(ratio=0), "`ratio` must be an int >= 1"),
+    _bad("kv_rank", lambda d: d.update(kv=d["kv"][0]), "`kv` must be 2-D"),
+    _bad("ape_shape", lambda d: d.update(ape=d["ape"][:2]), r"`ape` must have shape"),
+    _bad("cuc_rows", _poke("cu_seqlens_comp", 1, 2), "`cu_seqlens_comp` must count len"),
+    _bad("total_comp_small", _set(total_comp=1), "`total_comp` = 1 is smaller than the true"),
+]
+
+
+@pytest.mark.parametrize("mutate,match,error", BAD_INPUTS)
+def test_bad_input_raises(mutate, match, error):
+    inputs = make_inputs(CASES[0])
+    mutate(inputs)
+    with pytest.raises(error, match=rf"csa\.compressor_epilogue: {match}"):
+        FORWARD(*positional(inputs))
+
+
+@pytest.mark.parametrize("mutate,match,error", [p for p in BAD_INPUTS if p.id in (
+    "weight_shape", "rope_odd", "cos_width", "rotate_not_pow2", "offset_length")])
+def test_fake_raises_like_the_kernel(mutate, match, error):
+    inputs = make_inputs(CASES[0])
+    mutate(inputs)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                for a in positional(inputs)]
+        with pytest.raises(error, match=match):
+            FORWARD(*args)
+
+
+def test_backward_errors_name_the_backward_op():
+    inputs = make_inputs(CASES[0])
+    args = positional(inputs)[:-1]
+    with pytest.raises(ValueError, match=r"compressor_epilogue_backward: `grad_out` must be 2-D"):
+        BACKWARD(torch.zeros(8, 64).bfloat16(), *args)
+    few = CASES[0].spec.true_rows - 1
+    with pytest.raises(ValueError, match="compressor_epilogue_backward: `grad_out` row count"):
+        BACKWARD(torch.zeros(few, 128).bfloat16(), *args)
+
+
+def test_double_backward_is_refused():
+    inputs = make_inputs(CASES[1], requires_grad=True)
+    out = FORWARD(*positional(inputs))
+    grads = torch.autograd.grad(out, inputs["kv"], torch.ones_like(out), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        grads[0].sum().backward()
+
+
+def test_public_wrapper_is_the_op_with_the_model_eps():
+    inputs = make_inputs(CASES[2])
+    want = FORWARD(*positional(inputs))
+    del inputs["eps"]  # the wrapper's default, the model's 1e-6
+    assert_bitwise_equal(epilogue.compressor_epilogue(**inputs), want, "wrapper")
