@@ -516,6 +516,12 @@ BAD_INPUTS = [
         score_state=lambda a: a[7][..., :128].contiguous(),
         norm_weight=lambda a: a[8][:64]),
          "cache_format 'fp8_block128' needs head_dim a multiple of 128, got head_dim=64"),
+    _bad("rotate_not_pow2", "fp8_block128", _set(
+        kv=lambda a: a[0][:, :192], score=lambda a: a[1][:, :192], ape=lambda a: a[2][:, :192],
+        kv_state=lambda a: a[6][..., :192].contiguous(),
+        score_state=lambda a: a[7][..., :192].contiguous(),
+        norm_weight=lambda a: a[8][:96]),
+         "`rotate` needs a power-of-two head_dim .*, got head_dim=96"),
     _bad("quantized_fp64", "mxfp4", _set(
         kv=lambda a: a[0].double(), score=lambda a: a[1].double(),
         kv_state=lambda a: a[6].double(), score_state=lambda a: a[7].double()),
