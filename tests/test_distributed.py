@@ -402,3 +402,15 @@ def test_context_parallel_matches_one_process(tmp_path):
         with open(tmp_path / f"rank{rank}.json") as f:
             failures += json.load(f)
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
+
+
+def test_chunk_of_inverts_the_cut_points():
+    """The closed form the module uses for "which chunk holds token u" against the cuts."""
+    for chunks in range(1, 9):
+        for length in range(40):
+            cut = cuts(length, chunks, "contiguous")
+            offsets = torch.arange(length)
+            expected = [next(c for c in range(chunks) if cut[c] <= u < cut[c + 1])
+                        for u in range(length)]
+            found = distributed._chunk_of(offsets, torch.tensor(length), chunks)
+            assert found.tolist() == expected, (chunks, length)

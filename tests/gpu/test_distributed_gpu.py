@@ -202,6 +202,33 @@ def test_group_of_one_cuda_graph_replays(group_of_one, layout):
     assert not failures, "\n".join(failures)
 
 
+def test_group_of_one_compiles_whole(group_of_one):
+    """torch.compile(fullgraph=True), Inductor, of the static CP step: bitwise as eager."""
+    ratio, coff, head_dim = CONFIGS[0]
+    kv, score, ape, cu, cuc = _pack(LENGTHS, ratio, coff, head_dim, seed=3)
+    total_comp = int(cuc[-1]) + 1
+    own_probe = _probe(total_comp, head_dim, 100)
+
+    def step(kv, score, ape, cu, cuc):
+        rows, row_index = distributed.compressor(kv, score, ape, cu, cuc, ratio=ratio, coff=coff,
+                                                 group=group_of_one, layout="zigzag",
+                                                 capacity=total_comp)
+        return distributed.gather_rows(rows, row_index, total_comp, group=group_of_one)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (kv, score, ape)]
+        all_rows = fn(*leaves, cu, cuc)
+        return (all_rows.detach(), *torch.autograd.grad(all_rows, leaves, own_probe))
+
+    torch._dynamo.reset()
+    eager, compiled = run(step), run(torch.compile(step, fullgraph=True))
+    torch._dynamo.reset()
+    failures = Failures()
+    for name, a, e in zip(("all_rows", "grad_kv", "grad_score", "grad_ape"), compiled, eager):
+        failures.bitwise(a, e, f"compiled {name}")
+    assert not failures, "\n".join(failures)
+
+
 def gpu_worker(rank: int, world: int, directory: str):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
