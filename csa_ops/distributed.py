@@ -32,18 +32,14 @@ def _fail(op: str, message: str, error=ValueError):
     raise error(f"{op}: {message}")
 
 
-def _named(error: Exception) -> Exception:
-    """A shared check's error under this module's name (validation.checking's context variable
-    is not traceable by torch.compile)."""
-    message = str(error).removeprefix(f"{validation.OP}: ")
-    return type(error)(f"{OP}: {message}")
-
-
-def _check_arguments(args, ratio, coff, capacity) -> None:
+def _shared_check(check, *args):
+    """A csa_ops.validation check, its error under this module's name (validation.checking's
+    context variable does not trace under torch.compile)."""
     try:
-        validation.check_arguments(*args, ratio, coff, capacity)
+        return check(*args)
     except (ValueError, TypeError) as error:
-        raise _named(error) from None
+        message = str(error).removeprefix(f"{validation.OP}: ")
+        raise type(error)(f"{OP}: {message}") from None
 
 
 def _wait(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,24 +154,43 @@ class _Plan(NamedTuple):
     token_grad_index: torch.Tensor  # (T*coff,) source of each local (token, half) gradient
 
 
-def _segment_tables(seq: _Sequences, cuc: torch.Tensor, geo: _Geometry):
+class _Segments(NamedTuple):
+    """Per local segment j (sequence s, the rank's slot-th chunk c of it, j = s*slots + slot):
+    the chunk [halo + chunk] of the local pack, and its rows."""
+
+    start: torch.Tensor             # (J,) the chunk's first token, offset within s
+    chunk_tokens: torch.Tensor      # (J,)
+    owned: torch.Tensor             # (J,) rows the chunk owns
+    window_start: torch.Tensor      # (J,) the segment's first token, offset within s
+    halo: torch.Tensor              # (J,) halo tokens before the chunk
+    first_block: torch.Tensor       # (J,) block index of the first owned row
+    discard: torch.Tensor           # (J,) 1 where the segment's first row is not owned
+    sequence: torch.Tensor          # (J,) s
+    chunk: torch.Tensor             # (J,) c
+    local_cu: torch.Tensor          # (J+1,) chunk offsets in this rank's kv
+    extended_cu: torch.Tensor       # (J+1,) segment offsets in the local pack
+    extended_cu_comp: torch.Tensor  # (J+1,) the local call's row offsets
+    owned_cu: torch.Tensor          # (J+1,) offsets of the segments' owned rows in ``rows``
+    row_start: torch.Tensor         # (J,) global index of the first owned row
+
+
+def _segment_tables(seq: _Sequences, cuc: torch.Tensor, geo: _Geometry) -> _Segments:
     mine = _rank_chunks(geo.rank, geo.world, geo.zigzag, cuc.device)
-    segment = {name: getattr(seq, name)[:, mine].reshape(-1)
-               for name in ("owned", "window_start", "halo")}
-    segment["start"] = seq.bounds[:, mine].reshape(-1)
-    segment["chunk_tokens"] = seq.bounds[:, mine + 1].reshape(-1) - segment["start"]
-    segment["first_block"] = seq.first_block[:, mine].reshape(-1)
-    segment["discard"] = ((segment["first_block"] > 0) & (segment["owned"] > 0)).long() * (
-        geo.coff - 1)
-    segment["sequence"] = torch.arange(geo.segments, device=cuc.device) // geo.per_rank
-    segment["chunk"] = mine.repeat(geo.segments // geo.per_rank)
-    segment["local_cu"] = _exclusive_cumsum(segment["chunk_tokens"])
-    extended_tokens = segment["halo"] + segment["chunk_tokens"]
-    segment["extended_cu"] = _exclusive_cumsum(extended_tokens)
-    segment["extended_cu_comp"] = _exclusive_cumsum(extended_tokens // geo.ratio)
-    segment["owned_cu"] = _exclusive_cumsum(segment["owned"])
-    segment["row_start"] = cuc.long()[segment["sequence"]] + segment["first_block"]
-    return segment
+
+    def column(table):  # (B, n) per chunk -> (J,) per local segment
+        return table[:, mine].reshape(-1)
+
+    start, owned, halo = column(seq.bounds[:, :-1]), column(seq.owned), column(seq.halo)
+    first_block = column(seq.first_block[:, :-1])
+    chunk_tokens = column(seq.bounds[:, 1:]) - start
+    discard = ((first_block > 0) & (owned > 0)).long() * (geo.coff - 1)
+    sequence = torch.arange(geo.segments, device=cuc.device) // geo.per_rank
+    extended_tokens = halo + chunk_tokens
+    return _Segments(
+        start, chunk_tokens, owned, column(seq.window_start), halo, first_block, discard,
+        sequence, mine.repeat(geo.segments // geo.per_rank), _exclusive_cumsum(chunk_tokens),
+        _exclusive_cumsum(extended_tokens), _exclusive_cumsum(extended_tokens // geo.ratio),
+        _exclusive_cumsum(owned), cuc.long()[sequence] + first_block)
 
 
 def _segment_of(position: torch.Tensor, cu: torch.Tensor, segments: int):
@@ -186,50 +201,49 @@ def _segment_of(position: torch.Tensor, cu: torch.Tensor, segments: int):
 
 def _exchange_indices(seq: _Sequences, seg, geo: _Geometry):
     """Tail slots (what this rank sends) and halo slots (what it copies from the gather)."""
-    device, halo = seg["start"].device, geo.halo
+    device, halo = seg.start.device, geo.halo
     k = torch.arange(halo, device=device)
-    tail = seg["local_cu"][:-1, None] + seg["chunk_tokens"][:, None] - halo + k
+    tail = seg.local_cu[:-1, None] + seg.chunk_tokens[:, None] - halo + k
     tail_index = tail.clamp(0, max(geo.num_tokens - 1, 0)).reshape(-1)
     # Halo slot k of a segment holds its sequence's token window_start + k (k < halo).
-    offset = seg["window_start"][:, None] + k
-    sequence = seg["sequence"][:, None]
+    offset = seg.window_start[:, None] + k
+    sequence = seg.sequence[:, None]
     holder = _chunk_of(offset, seq.length[sequence], geo.chunks)
     rank, slot = _chunk_owner(holder, geo.world, geo.zigzag)
     tail_slot = offset - (seq.bounds[sequence, holder + 1] - halo)
     source = ((rank * geo.segments + sequence * geo.per_rank + slot) * halo + tail_slot)
-    valid = k < seg["halo"][:, None]
-    halo_index = torch.where(valid, source, 0).clamp(0, max(geo.world * geo.segments * halo - 1,
-                                                            0))
+    last = max(geo.world * geo.segments * halo - 1, 0)
+    halo_index = torch.where(k < seg.halo[:, None], source, 0).clamp(0, last)
     return tail_index, halo_index.reshape(-1)
 
 
 def _extended_index(seg, geo: _Geometry) -> torch.Tensor:
     """Row of cat([kv, halo]) for each token of the local pack [halo_j, chunk_j]_j."""
-    x = torch.arange(geo.extended_tokens, device=seg["start"].device)
-    j, valid = _segment_of(x, seg["extended_cu"], geo.segments)
-    y = x - seg["extended_cu"][j]
-    in_halo = y < seg["halo"][j]
+    x = torch.arange(geo.extended_tokens, device=seg.start.device)
+    j, valid = _segment_of(x, seg.extended_cu, geo.segments)
+    y = x - seg.extended_cu[j]
+    in_halo = y < seg.halo[j]
     source = torch.where(in_halo, geo.num_tokens + j * geo.halo + y,
-                         seg["local_cu"][j] + y - seg["halo"][j])
+                         seg.local_cu[j] + y - seg.halo[j])
     # Tokens past the local pack are never read by the op: any in-bounds row does.
     return torch.where(valid, source, 0).clamp(0, max(geo.extended_tokens - 1, 0))
 
 
 def _row_indices(seg, geo: _Geometry):
     """Owned rows <-> local-op rows: forward selection, global indices, gradient placement."""
-    device = seg["start"].device
+    device = seg.start.device
     k = torch.arange(geo.capacity, device=device)
-    j, valid = _segment_of(k, seg["owned_cu"], geo.segments)
-    within = k - seg["owned_cu"][j]
-    local = seg["extended_cu_comp"][j] + seg["discard"][j] + within
+    j, valid = _segment_of(k, seg.owned_cu, geo.segments)
+    within = k - seg.owned_cu[j]
+    local = seg.extended_cu_comp[j] + seg.discard[j] + within
     row_local = torch.where(valid, local, geo.local_capacity)
-    row_index = torch.where(valid, seg["row_start"][j] + within, -1)
+    row_index = torch.where(valid, seg.row_start[j] + within, -1)
     m = torch.arange(geo.local_capacity, device=device)
-    j, valid = _segment_of(m, seg["extended_cu_comp"], geo.segments)
-    block = m - seg["extended_cu_comp"][j]
-    position = seg["owned_cu"][j] + block - seg["discard"][j]
+    j, valid = _segment_of(m, seg.extended_cu_comp, geo.segments)
+    block = m - seg.extended_cu_comp[j]
+    position = seg.owned_cu[j] + block - seg.discard[j]
     # A discarded row (the block before a segment's first owned one) takes no gradient.
-    owned = valid & (block >= seg["discard"][j]) & (position < geo.capacity)
+    owned = valid & (block >= seg.discard[j]) & (position < geo.capacity)
     grad_row = torch.where(owned, position, geo.capacity)
     return row_local, row_index, grad_row
 
@@ -237,27 +251,27 @@ def _row_indices(seg, geo: _Geometry):
 def _gradient_indices(seq: _Sequences, seg, geo: _Geometry):
     """Where each gradient element comes from: halo slots of the local pack (sent back), and
     for each local (token, half) the one row that consumes it, on this rank or another."""
-    device, coff, ratio, halo = seg["start"].device, geo.coff, geo.ratio, geo.halo
+    device, coff, ratio, halo = seg.start.device, geo.coff, geo.ratio, geo.halo
     half = torch.arange(coff, device=device)
     k = torch.arange(halo, device=device)
-    halo_token = torch.where(k < seg["halo"][:, None], seg["extended_cu"][:-1, None] + k, 0)
+    halo_token = torch.where(k < seg.halo[:, None], seg.extended_cu[:-1, None] + k, 0)
     halo_grad_index = (halo_token[..., None] * coff + half).reshape(-1)
     extended_rows = geo.extended_tokens * coff
     halo_grad_index = halo_grad_index.clamp(0, max(extended_rows - 1, 0))
 
     t = torch.arange(geo.num_tokens, device=device)
-    j, in_pack = _segment_of(t, seg["local_cu"], geo.segments)
-    within = t - seg["local_cu"][j]
-    offset = (seg["start"][j] + within)[:, None]
-    sequence = seg["sequence"][j][:, None]
+    j, in_pack = _segment_of(t, seg.local_cu, geo.segments)
+    within = t - seg.local_cu[j]
+    offset = (seg.start[j] + within)[:, None]
+    sequence = seg.sequence[j][:, None]
     length = seq.length[sequence]
     # coff=2: a token's first half belongs to the next block's window, its second half to its
     # own block's; coff=1: its own block's.
     block = offset // ratio + (half == 0).long() * (coff - 1)
     consumed = in_pack[:, None] & ((block + 1) * ratio <= length)
     consumer_chunk = _chunk_of((block + 1) * ratio - 1, length, geo.chunks)
-    local = consumer_chunk == seg["chunk"][j][:, None]
-    extended_token = (seg["extended_cu"][j] + seg["halo"][j] + within)[:, None]
+    local = consumer_chunk == seg.chunk[j][:, None]
+    extended_token = (seg.extended_cu[j] + seg.halo[j] + within)[:, None]
     rank, slot = _chunk_owner(consumer_chunk, geo.world, geo.zigzag)
     halo_slot = (offset - seq.window_start[sequence, consumer_chunk]).clamp(0, max(halo - 1, 0))
     remote_segment = sequence * geo.per_rank + slot
@@ -275,7 +289,7 @@ def _plan(cu: torch.Tensor, cuc: torch.Tensor, geo: _Geometry) -> _Plan:
     row_local, row_index, grad_row = _row_indices(seg, geo)
     halo_grad_index, token_grad_index = _gradient_indices(seq, seg, geo)
     return _Plan(tail_index, halo_index, _extended_index(seg, geo),
-                 seg["extended_cu"].int(), seg["extended_cu_comp"].int(), row_local, row_index,
+                 seg.extended_cu.int(), seg.extended_cu_comp.int(), row_local, row_index,
                  grad_row, halo_grad_index, token_grad_index)
 
 
@@ -405,8 +419,7 @@ def _resolve_group(group, op: str):
 
 
 def _exchange_device(group, *candidates) -> torch.device:
-    """Where the group's backend takes the checks' small exchange: gloo on the CPU, else the
-    device of the first tensor argument (NCCL: the GPU)."""
+    """The checks' exchange device: the CPU for gloo, else the first tensor's (NCCL: GPU)."""
     tensors = [t for t in candidates if isinstance(t, torch.Tensor)]
     if dist.get_backend(group) == "gloo" or not tensors:
         return torch.device("cpu")
@@ -466,12 +479,9 @@ def _check_on_host(args, ratio, coff, layout, capacity, group, world):
              "the dtype of `kv` (index)"]
     error, values, own, summary = None, [-1] * len(names), [-1], ([0] * world, [0] * world)
     try:
-        _check_arguments(args, ratio, coff, capacity)
+        _shared_check(validation.check_arguments, *args, ratio, coff, capacity)
         cu_host, cuc_host = cu_seqlens.cpu(), cu_seqlens_comp.cpu()
-        try:
-            validation.check_offsets(cu_host, cuc_host, int(cu_host[-1]), ratio)
-        except ValueError as caught:
-            raise _named(caught) from None
+        _shared_check(validation.check_offsets, cu_host, cuc_host, int(cu_host[-1]), ratio)
         summary = _rank_summary(cu_host, ratio, coff, world, layout == "zigzag")
         values = [cu_host.shape[0], _checksum(cu_host), _checksum(cuc_host), ratio, coff,
                   int(layout == "zigzag"), -1 if capacity is None else capacity, kv.shape[1],
@@ -500,10 +510,7 @@ _check_on_host_eager = torch.compiler.disable(_check_on_host)
 
 
 def _check_options(ratio, coff, layout, capacity) -> None:
-    try:
-        validation.check_ratio_coff(ratio, coff)
-    except ValueError as error:
-        raise _named(error) from None
+    _shared_check(validation.check_ratio_coff, ratio, coff)
     if layout not in LAYOUTS:
         _fail(OP, f"`layout` must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool)
@@ -516,23 +523,18 @@ def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                group=None, layout: str = "contiguous", capacity: int | None = None):
     """csa::compressor over a context-parallel group; returns ``(rows, row_index)``.
 
-    ``kv``/``score`` are this rank's local pack: its chunks of every sequence, in sequence
-    order. ``cu_seqlens``/``cu_seqlens_comp`` are the global pack's, the same on every rank.
-    Sequence s of L tokens is cut at ``cu[s] + (c*L)//n``: ``layout="contiguous"`` has n = P
-    chunks, rank p holding chunk p; ``"zigzag"`` has n = 2P, rank p holding chunks p and
-    2P-1-p in that order. A row belongs to the rank holding its block's last token. ``rows``
-    are this rank's rows in global order, ``capacity`` of them (padding rows exact zeros);
-    ``row_index`` (int64) their global indices, -1 for padding. ``capacity=None`` reads the
-    offsets on the host, checks them across the group, and sizes ``rows`` to the group's
-    largest owned-row count (the same on every rank); ``kv`` then has exactly the layout's
-    token count. An int ``capacity`` never synchronizes on CUDA (CUDA graphs, torch.compile
-    fullgraph); ``kv`` may then carry padding tokens past the layout's count.
-
-    Numerics: every owned row, ``grad_kv`` and ``grad_score`` are bit-identical to one
-    csa::compressor call over the whole pack on the same device type; ``grad_ape`` is the sum
-    of the ranks' fp32 partials in rank order (bitwise run-to-run, the same on every rank),
-    rounded once to ``ape``'s dtype: ape's gradient for the whole pack, not this rank's part.
-    Every rank of the group must make the call and run its backward.
+    ``kv``/``score``: this rank's chunks of every sequence, in sequence order (sequence s of L
+    tokens is cut at ``cu[s] + (c*L)//n``; contiguous: n = P, rank p holds chunk p; zigzag:
+    n = 2P, rank p holds chunks p, 2P-1-p). The offsets are the global pack's, the same on
+    every rank. ``rows``: the rows whose block's last token this rank holds, in global order,
+    ``capacity`` of them (padding rows zero); ``row_index`` (int64): their global indices, -1
+    for padding. ``capacity=None`` reads the offsets on the host, checks them across the group
+    and sizes ``rows`` to the group's largest owned count; ``kv`` then holds exactly the
+    layout's tokens. An int ``capacity`` never synchronizes on CUDA; ``kv`` may then carry
+    padding tokens. Rows, ``grad_kv`` and ``grad_score`` are bit-identical to one
+    csa::compressor call over the whole pack on the same device type; ``grad_ape`` (the whole
+    pack's, on every rank) sums the ranks' fp32 partials in rank order. Every rank makes the
+    call and runs its backward. docs/distributed.md has the design.
     """
     _check_options(ratio, coff, layout, capacity)
     group, world, rank = _resolve_group(group, OP)
@@ -541,7 +543,7 @@ def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     if capacity is None or (on_host and not torch.compiler.is_compiling()):
         capacity = _check_on_host_eager(args, ratio, coff, layout, capacity, group, world)
     else:
-        _check_arguments(args, ratio, coff, capacity)
+        _shared_check(validation.check_arguments, *args, ratio, coff, capacity)
     if cu_seqlens.shape[0] == 1:  # no sequences: one empty one keeps every table non-empty
         cu_seqlens, cu_seqlens_comp = cu_seqlens.repeat(2), cu_seqlens_comp.repeat(2)
     zigzag = layout == "zigzag"
@@ -554,12 +556,10 @@ def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
 
 
 def gather_rows(rows: torch.Tensor, row_index: torch.Tensor, total_comp: int, *, group=None):
-    """Every rank's ``rows`` (from ``compressor``) on every rank: ``(total_comp, d)`` in global
-    order, rows no rank holds zero. ``total_comp`` is the true row count
-    ``cu_seqlens_comp[-1]`` or more. Every rank passes the same ``rows`` shape (its static
-    capacity). The backward sums the ranks' gradients of each row onto its owner in rank
-    order, in fp32, rounded once to ``rows``' dtype. With ``row_index`` on the CPU the gathered
-    indices are checked against ``total_comp``; on CUDA nothing synchronizes.
+    """Every rank's ``rows`` (from ``compressor``, the same shape on every rank) on every rank:
+    ``(total_comp, d)`` in global order (``total_comp`` >= the true row count; rows no rank
+    holds are zero). The backward sums the ranks' gradients of each row onto its owner in rank
+    order, in fp32. CPU indices are checked against ``total_comp``; CUDA never synchronizes.
     """
     group, world, _ = _resolve_group(group, GATHER_OP)
     check = (isinstance(row_index, torch.Tensor) and row_index.device.type == "cpu"
