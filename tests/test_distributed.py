@@ -151,6 +151,9 @@ def ape_close(actual, expected, case: Case) -> bool:
 # --- one case on one rank --------------------------------------------------------------------
 
 class Failures(list):
+    """Mismatches collected, not raised: a rank that stopped early would leave the others
+    waiting in the next collective."""
+
     def check(self, ok: bool, what: str):
         if not ok:
             self.append(what)
