@@ -38,6 +38,7 @@ _FIRST_CALL = """
 import time, torch
 import csa_ops
 from csa_ops import host
+from csa_ops.state import STATE
 device = "{device}"
 # CUDA context and torch's autograd engine started outside the measurement: the first
 # call of any op pays them, and they are torch's, not the configuration's.
@@ -164,11 +165,11 @@ def per_call_costs(calls: int, rounds: int = 3) -> dict:
     paths = {"native": [], "python": []}
     for _ in range(rounds):
         if native.module() is not None:
-            host._forget_prepared_calls()
+            STATE.forget_calls()
             paths["native"].append(one_round())
         with host.python_launch_path():
             paths["python"].append(one_round())
-    host._forget_prepared_calls()
+    STATE.forget_calls()
     result = {"launch_path": "native" if paths["native"] else "python"}
     for path, rows_of in paths.items():
         for name in (rows_of[0] if rows_of else {}):

@@ -59,7 +59,7 @@ def _breakdown(kv, score, ape, cu, cuc, ratio, coff, rows, grad_out):
     from csa_ops import dispatch, host, ops, validation
 
     problem = host.problem("fwd", kv, score, cu, cuc, ratio, coff)
-    launch = host._CACHE.get("fwd", problem.key)
+    launch = host.KERNELS.get("fwd", problem.key)
     call = host.prepare("fwd", (kv, score, ape, cu, cuc), ratio, coff, rows)
     out = torch.empty(rows, kv.shape[1] // coff, device="cuda", dtype=kv.dtype)
     plan = problem.family.plan_forward(problem.key, kv.shape[0], rows, problem.num_sms)
@@ -105,7 +105,7 @@ def _backward_breakdown(kv, score, ape, cu, cuc, ratio, coff, grad_out):
 
     tensors = (grad_out, kv, score, ape, cu, cuc)
     problem = host.problem("bwd", kv, score, cu, cuc, ratio, coff)
-    launch = host._CACHE.get("bwd", problem.key)
+    launch = host.KERNELS.get("bwd", problem.key)
     plan = problem.family.plan_backward(problem.key, kv.shape[0], grad_out.shape[0],
                                         problem.num_sms)
     call = host.prepare("bwd", tensors, ratio, coff, None)

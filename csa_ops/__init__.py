@@ -1,21 +1,25 @@
 """csa-ops: the CSA/HCA Compressor as a first-class PyTorch op, ``torch.ops.csa.compressor``.
 
-Importing the package registers both ops, their fakes and autograd. It imports neither
-Inductor nor the CuTe DSL (SPEC 7): the Inductor integration, ``csa_ops.lowering``, is
-registered by the fake kernels when a trace first meets the op, and the DSL only when a
-kernel must be compiled (a warm kernel cache loads kernels without it). On a machine with
-CUDA it imports the launch path (csa_ops.host, tvm_ffi) so that first calls stay short.
+Importing the package registers the ops, their fakes and autograd. It imports neither
+Inductor nor the CuTe DSL, so that importing it costs little more than importing torch: the
+Inductor integration, ``csa_ops.lowering``, is registered by the fake kernels when a trace
+first meets the op, and the DSL only when a kernel must be compiled (a warm kernel cache
+loads kernels without it). On a machine with CUDA it imports the launch path (csa_ops.host,
+tvm_ffi) so that first calls stay short.
 """
 
-import importlib  # noqa: I001  (ops defines the ops before meta registers their fakes)
+import contextlib  # noqa: I001  (the ops are defined before meta registers their fakes)
+import importlib
 
 import torch
 
 from . import ops
+from . import epilogue, serving_store  # noqa: F401  (the fused-epilogue ops)
 from . import meta  # noqa: F401  (registers the fake kernels)
 from .module import Compressor, offsets_for
 from .ops import compressor
 from .serving import CompressorState, compressor_extend
+from .state import STATE, ForwardNumerics
 
 __version__ = "0.1.0"
 
@@ -51,6 +55,32 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     return host.precompile_extend(ratio, head_dim, coff, dtype, arch)
 
 
+def set_forward_numerics(mode: str) -> None:
+    """The forward's numerics mode for this process: "certified" (the default: every output
+    element within one rounding step of torch's eager region on the same device) or "fast"
+    (the ratio-128 kernels skip recomputing in torch's order the few columns their bound
+    cannot certify: within one step except on rare cancelling columns, 28-51% faster there;
+    the register-window kernels do not change). Calls prepared before are prepared again."""
+    STATE.set_forward_numerics(mode)
+
+
+def get_forward_numerics() -> str:
+    """The forward's numerics mode ("certified" or "fast")."""
+    return STATE.forward_numerics.value
+
+
+@contextlib.contextmanager
+def forward_numerics(mode: str):
+    """Within: the forward's numerics mode is `mode` (see set_forward_numerics); the mode
+    before is restored on exit. The mode is the process's, not the thread's."""
+    previous = STATE.forward_numerics
+    STATE.set_forward_numerics(mode)
+    try:
+        yield
+    finally:
+        STATE.set_forward_numerics(previous)
+
+
 def __getattr__(name: str):
     # ``csa_ops.lowering`` without importing Inductor at package import (PEP 562).
     if name == "lowering":
@@ -58,5 +88,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Compressor", "CompressorState", "compressor", "compressor_extend", "offsets_for",
-           "ops", "precompile", "precompile_extend"]
+__all__ = ["Compressor", "CompressorState", "ForwardNumerics", "compressor",
+           "compressor_extend", "forward_numerics", "get_forward_numerics", "offsets_for", "ops",
+           "precompile", "precompile_extend", "set_forward_numerics"]

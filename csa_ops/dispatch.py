@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from .state import STATE
+
 _Key = torch._C.DispatchKey
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 # The key set torch hands a with_keyset kernel leaves out fallthrough keys; ADInplaceOrView
@@ -83,7 +85,7 @@ class PreparedCalls(dict):
             if len(self) >= self.limit:
                 self.clear()
             self[signature] = call
-            if args and type(call).__name__ == "PreparedCall":
+            if args and _native().is_prepared_call(call):
                 self._table().insert(call, tensors, *args)
         return call
 
@@ -109,10 +111,14 @@ class PreparedCalls(dict):
             self.table.clear()
 
 
-def _native_module():
-    from . import native
+def _native():
+    from . import native  # not at import: `python -m csa_ops.native` runs it as __main__
 
-    return native.module()
+    return native
+
+
+def _native_module():
+    return _native().module()
 
 
 def launch_path(memo: PreparedCalls):
@@ -121,6 +127,6 @@ def launch_path(memo: PreparedCalls):
     from . import host
 
     if not memo.registered:
-        host.register_dependent_memo(memo)
+        STATE.register_memo(memo)
         memo.registered = True
     return host

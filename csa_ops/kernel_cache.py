@@ -32,6 +32,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .state import STATE
+
 ENABLE_ENV = "CSA_OPS_CACHE"
 DIR_ENV = "CSA_OPS_CACHE_DIR"
 FORMAT = 1  # bump when the entry layout changes
@@ -50,38 +52,34 @@ def directory() -> pathlib.Path:
     return pathlib.Path(base) / "csa-ops"
 
 
-_VERSIONS: dict[str, str] = {}
-
-
 def _version(distribution: str) -> str:
     # importlib.metadata costs tens of milliseconds to import: only a miss asks for it.
-    if distribution not in _VERSIONS:
+    versions = STATE.versions
+    if distribution not in versions:
         import importlib.metadata
 
         try:
-            _VERSIONS[distribution] = importlib.metadata.version(distribution)
+            versions[distribution] = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
-            _VERSIONS[distribution] = "absent"
-    return _VERSIONS[distribution]
-
-
-_SOURCE_DIGEST: list[str] = []
+            versions[distribution] = "absent"
+    return versions[distribution]
 
 
 def source_digest(root: pathlib.Path | None = None) -> str:
-    """SHA-256 of the sources that generate kernels: the kernel modules and the key/knob
-    definitions (config.py), whose every line can change a binary; host.py holds the
-    argument table and is covered by the identity's signature instead. ``root`` (a package
-    directory) is for tests; the package's own digest is computed once per process."""
-    if root is None and _SOURCE_DIGEST:
-        return _SOURCE_DIGEST[0]
+    """SHA-256 of the sources that generate kernels: every module of the kernel packages and
+    the key/knob definitions (config.py), whose every line can change a binary; the argument
+    table (launch_description.py) is covered by the identity's signature instead. ``root``
+    (a package directory) is for tests; the package's own digest is computed once per
+    process."""
+    if root is None and STATE.source_digest is not None:
+        return STATE.source_digest
     base = pathlib.Path(__file__).resolve().parent if root is None else root
     digest = hashlib.sha256()
-    for path in sorted([base / "config.py", *(base / "kernels").glob("*.py")]):
+    for path in sorted([base / "config.py", *(base / "kernels").rglob("*.py")]):
         digest.update(path.relative_to(base).as_posix().encode())
         digest.update(path.read_bytes())
     if root is None:
-        _SOURCE_DIGEST.append(digest.hexdigest())
+        STATE.source_digest = digest.hexdigest()
     return digest.hexdigest()
 
 
@@ -108,15 +106,12 @@ def entry_name(ident: dict[str, str]) -> str:
 # Loading
 
 
-_RUNTIME_LOADED: list[bool] = []
-
-
 def _preload_runtime() -> None:
     """Make the DSL runtime's symbols global before dlopen of an entry, which leaves them
     undefined (they are the DSL's CUDA-library loaders). Found on disk, so a load does not
     import the DSL; a layout we do not recognise, or several CUDA variants side by side,
     falls back to the DSL's own lookup."""
-    if _RUNTIME_LOADED:
+    if STATE.runtime_loaded:
         return
     spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     roots = list(spec.submodule_search_locations or []) if spec else []
@@ -128,7 +123,7 @@ def _preload_runtime() -> None:
         found = [pathlib.Path(p) for p in find_runtime_libraries(enable_tvm_ffi=False)]
     for path in found[:1]:
         ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    _RUNTIME_LOADED.append(True)
+    STATE.runtime_loaded = True
 
 
 def preload() -> None:

@@ -40,6 +40,7 @@ import warnings
 from typing import Any
 
 from . import kernel_cache
+from .state import STATE, UNDECIDED
 
 ENABLE_ENV = "CSA_OPS_NATIVE"
 MODULE = "csa_ops_native"
@@ -66,15 +67,12 @@ def _tvm_ffi_build_paths() -> tuple[list[str], list[str]]:
     return includes, [f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"]
 
 
-_TAG: list[str] = []
-
-
 def tag() -> str:
     """Digest of everything the library depends on: its source, the build flags, torch
     (version and build), tvm_ffi, the Python ABI and the machine. Computed once per process
-    (tests that change the source reset ``_TAG``)."""
-    if _TAG:
-        return _TAG[0]
+    (tests that change the source reset ``STATE.native_tag``)."""
+    if STATE.native_tag is not None:
+        return STATE.native_tag
     import torch
 
     digest = hashlib.sha256(SOURCE.read_bytes())
@@ -82,8 +80,8 @@ def tag() -> str:
                  str(torch.compiled_with_cxx11_abi()), kernel_cache._version("apache-tvm-ffi"),
                  sys.implementation.cache_tag, platform.machine()):
         digest.update(b"\0" + part.encode())
-    _TAG.append(digest.hexdigest()[:16])
-    return _TAG[0]
+    STATE.native_tag = digest.hexdigest()[:16]
+    return STATE.native_tag
 
 
 def library_path(root: pathlib.Path | None = None) -> pathlib.Path:
@@ -99,22 +97,18 @@ def _import(path: pathlib.Path):
     return module
 
 
-_LOADED: list[Any] = []  # [module or None] once decided for this process
-_BUILD_STARTED: list[bool] = []
-
-
 def loaded() -> bool:
     """Whether this process has loaded the library (asks nothing, starts nothing)."""
-    return bool(_LOADED) and _LOADED[0] is not None
+    return STATE.native_module not in (UNDECIDED, None)
 
 
 def module():
     """The loaded extension, or None (disabled, not built yet, or unloadable). A missing
     library starts one background build per process; a later call picks up its result."""
-    if _LOADED:
-        return _LOADED[0]
+    if STATE.native_module is not UNDECIDED:
+        return STATE.native_module
     if not enabled():
-        _LOADED.append(None)
+        STATE.native_module = None
         return None
     path = library_path()
     if not path.exists():
@@ -129,7 +123,7 @@ def module():
         with contextlib.suppress(OSError):
             os.replace(path, path.with_suffix(".rejected"))
         library = None
-    _LOADED.append(library)
+    STATE.native_module = library
     return library
 
 
@@ -138,9 +132,9 @@ def _start_background_build(path: pathlib.Path) -> None:
     created exclusively; one older than _BUILD_PATIENCE_S is a dead build's. A build that
     failed leaves ``.failed`` (with its log), and no process starts another: an explicit
     ``build()`` (precompile, ``python -m csa_ops.native build``) tries again."""
-    if _BUILD_STARTED:
+    if STATE.native_build_started:
         return
-    _BUILD_STARTED.append(True)
+    STATE.native_build_started = True
     marker = path.with_suffix(".building")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,48 +223,45 @@ def _remove_dead_builds(directory: pathlib.Path) -> None:
                 shutil.rmtree(stale)
 
 
-def prepared_call(function: Any, arguments, signature, inputs, outputs, constants,
-                  workspace: int, workspace_alias: str, to_float=(), restore=()):
-    """A C++ prepared call of a TVM-FFI kernel function, or None where the native path does
-    not run (see the module docstring).
-
-    arguments, signature: the kernel's argument list (host.ARGUMENTS[direction]) and its
-    slots (host.launch_signature), which give each pointer's assumed alignment. inputs: the
-    names of the call's tensors, in the order the call takes them. outputs: name -> (name
-    of the input whose dtype and device it takes, shape or None for that input's shape).
-    constants: the scalar arguments. workspace: fp32 scratch elements; with none, the
-    workspace argument is the output ``workspace_alias``. to_float: inputs read as fp32;
-    restore: (output, input) pairs, the output cast back to that input's dtype as passed.
-    """
+def prepared_call(spec):
+    """The C++ prepared call of a CallSpec (csa_ops.launch_description), or None where the
+    native path does not run (see the module docstring)."""
     try:
         import tvm_ffi
     except ImportError:
         return None
-    if not isinstance(function, tvm_ffi.Function):
-        return None  # the DSL's own wrapper (no tvm_ffi, or a kernel compiled in memory)
+    if not all(isinstance(launch.kernel, tvm_ffi.Function) for launch in spec.launches):
+        return None  # a kernel compiled in memory for the DSL's own call
     native = module()
     if native is None:
         return None
-    inputs, out_names = list(inputs), list(outputs)
-    slots = []
-    for name, _ in arguments:
-        if name in inputs:
-            slots.append((native.INPUT, inputs.index(name)))
-        elif name in outputs:
-            slots.append((native.OUTPUT, out_names.index(name)))
-        elif name == "workspace":
-            slots.append((native.WORKSPACE, 0) if workspace
-                         else (native.OUTPUT, out_names.index(workspace_alias)))
-        else:
-            slots.append((native.CONSTANT, int(constants[name])))
-    aligned = {name: slot[2] for (name, _), slot in zip(arguments, signature) if slot[0] == "ptr"}
-    specs = [(inputs.index(like), None if shape is None else list(shape))
-             for like, shape in outputs.values()]
-    # The C++ object holds its own reference to the function.
+    sources = {"input": native.INPUT, "output": native.OUTPUT,
+               "workspace": native.WORKSPACE, "constant": native.CONSTANT}
+    inputs, out_names = list(spec.inputs), list(spec.outputs)
+    layout = spec.slots()
+
+    def slots(constants):
+        return [(sources[source], inputs.index(name) if source == "input" else
+                 out_names.index(name) if source == "output" else
+                 0 if source == "workspace" else int(constants[name]))
+                for source, name in layout]
+
+    aligned = spec.alignments()
+    # The C++ object holds its own references to the functions.
     return native.PreparedCall(
-        function.__chandle__(), slots, [aligned.get(name, 0) for name in inputs],
-        [inputs.index(name) for name in to_float], specs,
-        [(out_names.index(o), inputs.index(i)) for o, i in restore], workspace)
+        [(launch.kernel.__chandle__(), slots(launch.constants)) for launch in spec.launches],
+        [aligned.get(name, 0) for name in inputs],
+        [inputs.index(name) for name in spec.in_place],
+        [inputs.index(name) for name in spec.to_float],
+        [(inputs.index(like), None if shape is None else list(shape))
+         for like, shape in spec.outputs.values()],
+        [(out_names.index(o), inputs.index(i)) for o, i in spec.restore],
+        spec.workspace, inputs.index(spec.live) if spec.live else -1)
+
+
+def is_prepared_call(call: Any) -> bool:
+    """Whether `call` is a C++ prepared call (the native module is loaded where one exists)."""
+    return loaded() and isinstance(call, STATE.native_module.PreparedCall)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
     """Make sure ``root`` holds both directions of every combination and the serving op's
     kernels; counts of kernels compiled and already present."""
     from . import host
+    from .config import Direction
     from .kernels import extend_plan
 
     counts = {"compiled": 0, "present": 0}
@@ -41,10 +42,10 @@ def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
         keys = host.configuration_keys(ratio, head_dim, coff, dtype, arch)
         forward_key = keys[0][1]
         if extend_plan.supports(forward_key):  # csa::compressor_extend's kernels too
-            keys += [("ext", key) for key in extend_plan.keys(forward_key)]
+            keys += [(Direction.EXTEND, key) for key in extend_plan.keys(forward_key)]
         for direction, key in keys:
             start = time.perf_counter()
-            built = host._CACHE.export(direction, key, root)
+            built = host.KERNELS.export(direction, key, root)
             state = "compiled" if built else "present"
             counts[state] += 1
             log(f"{state:8s} {direction} ratio={ratio} coff={coff} head_dim={head_dim} "
@@ -71,13 +72,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from . import kernel_cache, launcher, native
+    from . import kernel_cache, native
 
     args = _parser().parse_args(argv)
-    if not launcher.TVM_FFI:
-        print("csa_ops.precompile: the kernel cache needs apache-tvm-ffi (pip install "
-              "apache-tvm-ffi) and CSA_OPS_TVM_FFI unset", file=sys.stderr)
-        return 2
     root = args.cache_dir or kernel_cache.directory()
     os.makedirs(root, exist_ok=True)
     dtypes = [getattr(torch, name) for name in args.dtype]

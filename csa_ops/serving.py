@@ -186,7 +186,7 @@ def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp)
     if problem is None or _kernel_extent(problem, rows, kv, kv_state) > INT32_MAX:
         return _PREPARED.remember(signature, reference)
     kernel = host.prepare_extend(problem, kv.shape[0], rows, start_pos.shape[0],
-                                 kv_state.shape[0], kv.dtype, kv.device)
+                                 kv_state.shape[0])
 
     def call(*tensors):
         result = kernel(*tensors)

@@ -2,10 +2,11 @@
 
 ``csa_ops.lowering.mode`` ("auto" | "extern" | "generate", initial value from the
 environment variable CSA_OPS_LOWERING) picks the path; see ``policy``. The integration uses
-Inductor internals, so it is registered only for torch 2.11 to 2.13 and can be switched off
-with CSA_OPS_LOWERING_DISABLE=1; without it the op compiles as an opaque extern call.
-``available`` says whether it is registered. ``import csa_ops`` does not import this package
-(it imports Inductor); the fake kernels import it when a trace first meets the op.
+Inductor internals, so it is registered only on the tested torch releases (``TORCH_RANGE``:
+2.11 to 2.15) and can be switched off with CSA_OPS_LOWERING_DISABLE=1; without it the op
+compiles as an opaque extern call. ``available`` says whether it is registered.
+``import csa_ops`` does not import this package (it imports Inductor); the fake kernels
+import it when a trace first meets the op.
 """
 
 from __future__ import annotations
@@ -18,24 +19,33 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from . import policy
+from . import _versions, policy
 from .policy import MODES, get_mode, set_mode
 
-TORCH_RANGE = ((2, 11), (2, 13))
+# The tested range, first and last (major, minor): the lowering's tests pass on torch 2.11,
+# 2.12, 2.13, 2.14 and 2.15, one code path with version adapters in _generate (exact
+# rounding ops; the C++ backend's conversion cache before 2.13). A release outside it may have
+# moved the Inductor internals used here: there torch.compile keeps the opaque op, and warns.
+TORCH_RANGE = ((2, 11), (2, 15))
 DISABLE_ENV = "CSA_OPS_LOWERING_DISABLE"
 
 
-def _torch_supported() -> bool:
-    major_minor = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    return TORCH_RANGE[0] <= major_minor <= TORCH_RANGE[1]
+def tested_range() -> str:
+    (first_major, first_minor), (last_major, last_minor) = TORCH_RANGE
+    return f"{first_major}.{first_minor}-{last_major}.{last_minor}"
+
+
+def torch_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the running torch's) is a release of the tested range."""
+    return TORCH_RANGE[0] <= _versions.release(version) <= TORCH_RANGE[1]
 
 
 def _register() -> bool:
     if os.environ.get(DISABLE_ENV, "0") not in ("", "0"):
         return False
-    if not _torch_supported():
+    if not torch_supported():
         warnings.warn(f"csa_ops.lowering: torch {torch.__version__} is outside the tested range "
-                      f"{TORCH_RANGE}; torch.compile calls csa::compressor as an opaque op",
+                      f"{tested_range()}; torch.compile calls csa::compressor as an opaque op",
                       stacklevel=2)
         return False
     policy.init_from_env()

@@ -21,13 +21,16 @@ from torch._inductor.ops_handler import OpsHandler
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
+from . import _versions
+
 # Largest window (coff * ratio) computed as one unrolled expression per element: beyond it the
 # per-thread live state (W exponentials) would spill; Reduction IR keeps it bounded. Not tuned.
 UNROLL_MAX = 16
 
 I64 = torch.int64
-# Round-to-nearest mul/div where the ops exist (2.13): a rounded product that Triton never
-# contracts into an FMA, and IEEE division instead of Triton's approximate div.full.
+# Round-to-nearest mul/div where the ops exist (torch 2.13 on; 2.11 and 2.12 lack them): a
+# rounded product that Triton never contracts into an FMA, and IEEE division instead of
+# Triton's approximate div.full. The version adapter is this feature test, not a version number.
 EXACT_ROUNDING = hasattr(OpsHandler, "mul_rn") and hasattr(OpsHandler, "div_rn")
 
 
@@ -52,6 +55,9 @@ def _index(expr):
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Before torch 2.13 the C++ backend answers a consumer's upcast of every fp32-to-bf16/fp16
+# conversion, store-type casts included, from its CSE cache with the unrounded fp32 value.
+CPP_CACHES_STORE_CASTS = _versions.release() < (2, 13)
 
 
 def _rounded(x, dtype, device: torch.device):
@@ -63,6 +69,10 @@ def _rounded(x, dtype, device: torch.device):
         return ops.to_dtype(x, dtype)
     stored = ops.to_dtype(x, dtype, use_compute_types=False)
     if device.type == "cpu":
+        if CPP_CACHES_STORE_CASTS:
+            # Through fp64 and back (both exact): a new value that no cache entry maps back
+            # to x, so the consumer's upcast converts the rounded bits.
+            return ops.to_dtype(ops.to_dtype(stored, torch.float64), dtype)
         # C++ keeps it a bf16/fp16 value; a second to_dtype would be merged into this one.
         return stored
     return ops.to_dtype(stored, dtype)  # back to Triton's compute type, still rounded

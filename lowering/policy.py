@@ -3,9 +3,10 @@
 ``mode`` is "auto" (default), "extern" (always call the opaque op) or "generate" (always emit
 Inductor kernels); the environment variable CSA_OPS_LOWERING sets the initial value.
 "auto" calls the hand-written CUDA kernel wherever ``csa_ops.host`` supports the
-configuration and generates everywhere else: eager runs that kernel, and compiled code must
-give eager's bits (SPEC 3), which generated code cannot promise where the kernel runs. Changing the mode retags Inductor's on-disk caches and resets
-torch.compile's in-process caches, so no code generated under another mode is reused.
+configuration and generates everywhere else: eager runs that kernel, and compiling must not
+change the op's numerics (users compare compiled against eager bitwise), which generated code
+cannot promise where the kernel runs. Changing the mode retags Inductor's on-disk caches and
+resets torch.compile's in-process caches, so no code generated under another mode is reused.
 """
 
 from __future__ import annotations

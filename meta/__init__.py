@@ -10,12 +10,13 @@ import torch
 
 from csa_ops import shapes, validation
 
-from . import serving  # noqa: F401  (the fake of csa::compressor_extend)
+from . import epilogue, serving  # noqa: F401  (the fakes of the epilogue and serving ops)
 
 
 def _register_lowering() -> None:
     # Every trace calls a fake before Inductor lowers or picks its decompositions, so the
-    # integration is registered here rather than at ``import csa_ops`` (seconds, SPEC 7).
+    # integration is registered here rather than at ``import csa_ops``: importing Inductor
+    # takes seconds, and ``import csa_ops`` must stay within a fraction of ``import torch``.
     from csa_ops import lowering
 
     lowering.ensure_registered()

@@ -49,7 +49,7 @@ def test_a_capture_that_needs_a_compile_names_the_precompile_that_covers_it(dire
     assert keys[direction] in compiles
     named = f"csa_ops.{entry}(ratio=6, head_dim=48, coff=2, dtype=torch.bfloat16)"
     with pytest.raises(RuntimeError, match=re.escape(named)):
-        host._CACHE.get(direction, keys[direction])
+        host.KERNELS.get(direction, keys[direction])
 
 
 def test_numpy_is_a_dependency():

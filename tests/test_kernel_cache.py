@@ -16,11 +16,10 @@ import textwrap
 import pytest
 import torch
 
-from csa_ops import host, kernel_cache, launcher
-from csa_ops.kernels import extend_plan
+from csa_ops import host, kernel_cache
 from csa_ops.config import Direction
-
-pytestmark = pytest.mark.skipif(not launcher.TVM_FFI, reason="needs apache-tvm-ffi")
+from csa_ops.kernels import extend_plan
+from csa_ops.state import STATE
 
 SMALL = (2, 16, 1)  # ratio, head_dim, coff: the quickest configuration to compile
 
@@ -127,17 +126,19 @@ def test_a_kernel_source_change_invalidates_its_entries(tmp_path, monkeypatch, c
     package = pathlib.Path(kernel_cache.__file__).parent
     copy = tmp_path / "pkg"
     (copy / "kernels").mkdir(parents=True)
-    for path in [package / "config.py", *(package / "kernels").glob("*.py")]:
+    for path in [package / "config.py", *(package / "kernels").rglob("*.py")]:
         target = copy / path.relative_to(package)
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(path.read_bytes())
     before = kernel_cache.source_digest()
-    edited = copy / "kernels" / "window.py"
+    assert kernel_cache.source_digest(copy) == before
+    edited = copy / "kernels" / "window" / "forward.py"
     edited.write_text(edited.read_text() + "\n# a changed line\n")
     assert kernel_cache.source_digest(copy) != before
     ident, build = _identity(_key()), _Builds(compiled)
     root = tmp_path / "cache"
     kernel_cache.get_or_build(ident, build, root=root)
-    monkeypatch.setattr(kernel_cache, "_SOURCE_DIGEST", [kernel_cache.source_digest(copy)])
+    monkeypatch.setattr(STATE, "source_digest", kernel_cache.source_digest(copy))
     kernel_cache.get_or_build(_identity(_key()), build, root=root)
     assert build.count == 2
     assert len(list(root.glob("*.json"))) == 2
@@ -186,7 +187,7 @@ _WARM = textwrap.dedent("""
         keys = host.configuration_keys(ratio, head_dim, coff, torch.bfloat16, arch)
         serving = [("ext", key) for key in extend_plan.keys(keys[0][1])]
         for direction, key in [*keys, *serving]:  # the serving op's kernels too
-            assert callable(host._CACHE.get(direction, key))
+            assert callable(host.KERNELS.get(direction, key))
     info = host.cache_info()
     print(info["misses"], info["disk_loads"], int("cutlass" in sys.modules))
 """)
@@ -238,17 +239,6 @@ def test_cache_off_compiles_in_memory_only(tmp_path):
     out = _python(code, env).stdout
     assert [int(x) for x in out.split()[-2:]] == [2, 0]
     assert not list(tmp_path.glob("*"))
-
-
-def test_without_tvm_ffi_the_dsl_call_is_used(tmp_path):
-    code = _RANK.format(small=SMALL) + textwrap.dedent("""
-        from csa_ops import launcher
-        print(int(launcher.TVM_FFI))
-    """)
-    env = {"CSA_OPS_CACHE_DIR": str(tmp_path), "CSA_OPS_TVM_FFI": "0"}
-    out = _python(code, env).stdout.split()
-    assert out[-3:] == ["2", "0", "0"]
-    assert not list(tmp_path.glob("*.json"))
 
 
 def test_precompile_errors_name_the_argument():

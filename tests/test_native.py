@@ -1,8 +1,10 @@
 """The native launch path (csa_ops.native) on the CPU: the C++ prepared call builds against
 the installed torch, and a recording TVM-FFI function in place of a kernel shows that each
-argument reaches it by name, inputs are made contiguous, aligned and upcast, outputs are
-allocated, filled and cast back, errors surface, bad programs are refused; the library is
-cached, tagged, rebuilt in the background when missing and discarded when corrupt."""
+argument reaches it by name, inputs are made contiguous, aligned and upcast (in-place ones
+never copied), outputs are allocated, filled and cast back, launches run in order, errors
+surface, bad programs are refused; the Python path runs the same call description with the
+same results; the library is cached, tagged, rebuilt in the background when missing and
+discarded when corrupt."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ import torch
 import tvm_ffi
 
 from csa_ops import host, native
+from csa_ops.config import Direction
+from csa_ops.launch_description import CallSpec, Launch, python_call
+from csa_ops.state import STATE, UNDECIDED
 
 BWD_INPUTS = ("grad_out", "kv", "score", "ape", "cu", "cuc")
 BWD_OUTPUTS = {"grad_kv": ("kv", None), "grad_score": ("score", None),
@@ -55,8 +60,8 @@ def built_root(background_build):
 
 def _undecided(patch: pytest.MonkeyPatch) -> None:
     """A process that has not yet decided whether it has the library."""
-    patch.setattr(native, "_LOADED", [])
-    patch.setattr(native, "_BUILD_STARTED", [])
+    patch.setattr(STATE, "native_module", UNDECIDED)
+    patch.setattr(STATE, "native_build_started", False)
 
 
 @pytest.fixture
@@ -78,12 +83,24 @@ def _bwd_key():
     return key
 
 
-def _bwd_call(kernel, workspace=64, upcast=True):
-    key = _bwd_key()
-    return native.prepared_call(
-        tvm_ffi.convert(kernel), host.ARGUMENTS["bwd"], host.launch_signature("bwd", key),
-        BWD_INPUTS, BWD_OUTPUTS, BWD_CONSTANTS, workspace, "grad_ape",
-        to_float=("ape",) * upcast, restore=(("grad_ape", "ape"),) * upcast), key
+def _bwd_spec(kernel, workspace=64, upcast=True):
+    return CallSpec(Direction.BACKWARD, _bwd_key(), inputs=BWD_INPUTS, outputs=BWD_OUTPUTS,
+                    launches=(Launch(tvm_ffi.convert(kernel), BWD_CONSTANTS),),
+                    workspace=workspace, workspace_alias="grad_ape",
+                    to_float=("ape",) * upcast, restore=(("grad_ape", "ape"),) * upcast)
+
+
+def _python_path(spec):
+    return python_call(spec, lambda index: 0, 0, device_guard=False)
+
+
+# Both launch paths run a CallSpec: the C++ prepared call and the Python path.
+PATHS = {"native": native.prepared_call, "python": _python_path}
+
+
+def _bwd_call(kernel, workspace=64, upcast=True, path="native"):
+    spec = _bwd_spec(kernel, workspace, upcast)
+    return PATHS[path](spec), spec.key
 
 
 def _tensors(ape_dtype=torch.bfloat16, misaligned_kv=False):
@@ -105,7 +122,8 @@ def _read(address: int, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=like.dtype).view(like.shape).clone()
 
 
-def test_each_argument_reaches_the_kernel_by_name(loaded):
+@pytest.mark.parametrize("path", PATHS)
+def test_each_argument_reaches_the_kernel_by_name(loaded, path):
     seen = {}
     names = [name for name, _ in host.ARGUMENTS["bwd"]]
 
@@ -120,7 +138,7 @@ def test_each_argument_reaches_the_kernel_by_name(loaded):
         for i in range(tensors[3].numel()):
             grad_ape[i] = 1.5 + i
 
-    call, key = _bwd_call(kernel)
+    call, key = _bwd_call(kernel, path=path)
     tensors = _tensors(misaligned_kv=True)
     grad_kv, grad_score, grad_ape = call(*tensors)
 
@@ -142,9 +160,11 @@ def test_each_argument_reaches_the_kernel_by_name(loaded):
     assert torch.equal(grad_ape, expected.bfloat16())
 
 
-def test_without_workspace_the_alias_is_passed(loaded):
+@pytest.mark.parametrize("path", PATHS)
+def test_without_workspace_the_alias_is_passed(loaded, path):
     seen = []
-    call, _ = _bwd_call(lambda *values: seen.append(values), workspace=0, upcast=False)
+    call, _ = _bwd_call(lambda *values: seen.append(values), workspace=0, upcast=False,
+                        path=path)
     tensors = _tensors(ape_dtype=torch.float32)
     _, _, grad_ape = call(*tensors)
     names = [name for name, _ in host.ARGUMENTS["bwd"]]
@@ -153,17 +173,79 @@ def test_without_workspace_the_alias_is_passed(loaded):
     assert grad_ape.dtype == torch.float32
 
 
-def test_a_single_output_comes_back_as_a_tensor(loaded):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_single_output_comes_back_as_a_tensor(loaded, path):
     (_, key), = [(d, k) for d, k in host.configuration_keys(4, 128, 2, torch.bfloat16, "sm_90a")
                  if d == "fwd"]
-    call = native.prepared_call(
-        tvm_ffi.convert(lambda *values: None), host.ARGUMENTS["fwd"],
-        host.launch_signature("fwd", key), ("kv", "score", "ape", "cu", "cuc"),
-        {"out": ("kv", (3, 128))}, {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 2},
-        0, "out")
+    constants = {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 2}
+    call = PATHS[path](CallSpec(
+        Direction.FORWARD, key, inputs=("kv", "score", "ape", "cu", "cuc"),
+        outputs={"out": ("kv", (3, 128))},
+        launches=(Launch(tvm_ffi.convert(lambda *values: None), constants),),
+        workspace_alias="out"))
     _, kv, score, ape, cu, cuc = _tensors(ape_dtype=torch.float32)
     out = call(kv, score, ape, cu, cuc)
     assert isinstance(out, torch.Tensor) and out.shape == (3, 128) and out.dtype == kv.dtype
+
+
+def _extend_spec(kernels, state_align_key):
+    """An extend call of two launches (a split call), its state written in place."""
+    constants = [{"num_tokens": 5, "num_rows": 2, "num_requests": 2, "num_slots": 3,
+                  "grid": grid} for grid in (1, 9)]
+    return CallSpec(
+        Direction.EXTEND, state_align_key,
+        inputs=("kv", "score", "ape", "cu", "start_pos", "slots", "kv_state", "score_state"),
+        outputs={"out": ("kv", (2, 128)), "cuc": ("cu", None)},
+        launches=tuple(Launch(tvm_ffi.convert(k), c) for k, c in zip(kernels, constants)),
+        to_float=("ape",), in_place=("kv_state", "score_state"), live="ape")
+
+
+def _extend_tensors(misaligned_state=False, empty_kv=False):
+    tokens = 0 if empty_kv else 5
+    kv = torch.randn(tokens, 256).bfloat16()
+    kv_state = torch.zeros(3 * 8 * 256 + 1, dtype=torch.bfloat16)
+    kv_state = (kv_state[1:] if misaligned_state else kv_state[:-1]).view(3, 8, 256)
+    return (kv, kv.clone(), torch.randn(4, 256), torch.tensor([0, 2, tokens], dtype=torch.int32),
+            torch.tensor([0, 7], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32),
+            kv_state, torch.zeros(3, 8, 256))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_launches_run_in_order_with_state_in_place(loaded, path):
+    names = [name for name, _ in host.ARGUMENTS["ext"]]
+    order = []
+    call = PATHS[path](_extend_spec([lambda *v: order.append(("first", v)),
+                                     lambda *v: order.append(("second", v))], _bwd_key()))
+    tensors = _extend_tensors()
+    out, cuc = call(*tensors)
+    assert [name for name, _ in order] == ["first", "second"]
+    (_, first), (_, second) = order
+    assert first[names.index("grid")] == 1 and second[names.index("grid")] == 9
+    assert first[:names.index("num_tokens")] == second[:names.index("num_tokens")]
+    # In place: the state tensors themselves, not copies.
+    assert first[names.index("kv_state")] == tensors[6].data_ptr()
+    assert first[names.index("score_state")] == tensors[7].data_ptr()
+    assert out.shape == (2, 128) and out.dtype == torch.bfloat16
+    assert cuc.shape == (3,) and cuc.dtype == torch.int32
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_misaligned_in_place_input_launches_nothing(loaded, path):
+    launched = []
+    call = PATHS[path](_extend_spec([lambda *v: launched.append(v)] * 2, _bwd_key()))
+    assert call(*_extend_tensors(misaligned_state=True)) is None
+    assert not launched
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_empty_tensor_passes_a_live_address(loaded, path):
+    names = [name for name, _ in host.ARGUMENTS["ext"]]
+    seen = []
+    call = PATHS[path](_extend_spec([lambda *v: seen.append(v)] * 2, _bwd_key()))
+    tensors = _extend_tensors(empty_kv=True)
+    call(*tensors)
+    addresses = [seen[0][names.index(name)] for name in ("kv", "score", "ape")]
+    assert 0 not in addresses and addresses[0] == addresses[1] == addresses[2]
 
 
 def test_kernel_errors_and_bad_calls_raise(loaded):
@@ -180,36 +262,42 @@ def test_kernel_errors_and_bad_calls_raise(loaded):
         call(tensors[0], tensors[1], 3, *tensors[3:])
 
 
-@pytest.mark.parametrize("slots, outputs, restore, workspace, message", [
-    ([(0, 1)], [(0, None)], [], 0, r"bad slot \(0, 1\)"),
-    ([(1, 1)], [(0, None)], [], 0, r"bad slot \(1, 1\)"),
-    ([(2, 0)], [(0, None)], [], 0, r"bad slot \(2, 0\)"),  # a workspace slot, no workspace
-    ([(3, 5)], [(1, None)], [], 0, "output like input 1 of 1"),
-    ([(3, 5)], [(0, None)], [(1, 0)], 0, r"bad restore pair \(1, 0\)"),
-    ([(3, 5)] * 24, [(0, None)], [], 0, "24 slots, at most 23"),
+@pytest.mark.parametrize("slots, outputs, restore, workspace, in_place, live, message", [
+    ([(0, 1)], [(0, None)], [], 0, [], -1, r"bad slot \(0, 1\)"),
+    ([(1, 1)], [(0, None)], [], 0, [], -1, r"bad slot \(1, 1\)"),
+    ([(2, 0)], [(0, None)], [], 0, [], -1, r"bad slot \(2, 0\)"),  # no workspace
+    ([(3, 5)], [(1, None)], [], 0, [], -1, "output like input 1 of 1"),
+    ([(3, 5)], [(0, None)], [(1, 0)], 0, [], -1, r"bad restore pair \(1, 0\)"),
+    ([(3, 5)] * 24, [(0, None)], [], 0, [], -1, "24 slots, at most 23"),
+    ([(3, 5)], [(0, None)], [], 0, [1], -1, "in_place input 1 of 1"),
+    ([(3, 5)], [(0, None)], [], 0, [], 1, "live input 1 of 1"),
 ])
-def test_bad_programs_are_refused(loaded, slots, outputs, restore, workspace, message):
+def test_bad_programs_are_refused(loaded, slots, outputs, restore, workspace, in_place, live,
+                                  message):
     function = tvm_ffi.convert(lambda *values: None)
     with pytest.raises(RuntimeError, match=message):
-        loaded.PreparedCall(function.__chandle__(), slots, [0], [], outputs, restore, workspace)
+        loaded.PreparedCall([(function.__chandle__(), slots)], [0], in_place, [], outputs,
+                            restore, workspace, live)
     with pytest.raises(RuntimeError, match="null handle"):
-        loaded.PreparedCall(0, [(3, 5)], [0], [], [(0, None)], [], 0)
+        loaded.PreparedCall([(0, [(3, 5)])], [0], [], [], [(0, None)], [], 0, -1)
+    with pytest.raises(RuntimeError, match="no launch"):
+        loaded.PreparedCall([], [0], [], [], [(0, None)], [], 0, -1)
 
 
 def test_only_tvm_ffi_functions_take_the_native_path(built_root, monkeypatch,
                                                      fresh_module_state):
     monkeypatch.setenv("CSA_OPS_CACHE_DIR", str(built_root))
-    key = _bwd_key()
-    args = (host.ARGUMENTS["bwd"], host.launch_signature("bwd", key), BWD_INPUTS, BWD_OUTPUTS,
-            BWD_CONSTANTS, 0, "grad_ape")
-    assert native.prepared_call(lambda *values: None, *args) is None  # the DSL's wrapper
+    spec = _bwd_spec(lambda *values: None, workspace=0)
+    in_memory = CallSpec(**{**spec.__dict__, "launches": (Launch(lambda *values: None,
+                                                                 BWD_CONSTANTS),)})
+    assert native.prepared_call(in_memory) is None  # a kernel compiled in memory
     monkeypatch.setenv("CSA_OPS_NATIVE", "0")
-    assert native.prepared_call(tvm_ffi.convert(lambda *values: None), *args) is None
+    assert native.prepared_call(spec) is None
     monkeypatch.delenv("CSA_OPS_NATIVE")
     monkeypatch.setenv("CSA_OPS_CACHE", "0")  # no cache, no native library
-    monkeypatch.setattr(native, "_LOADED", [])
+    monkeypatch.setattr(STATE, "native_module", UNDECIDED)
     assert not native.enabled()
-    assert native.prepared_call(tvm_ffi.convert(lambda *values: None), *args) is None
+    assert native.prepared_call(spec) is None
 
 
 def test_the_tag_follows_the_source_and_the_flags(monkeypatch, tmp_path):
@@ -217,11 +305,11 @@ def test_the_tag_follows_the_source_and_the_flags(monkeypatch, tmp_path):
     changed = tmp_path / "prepared_call.cpp"
     changed.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
     monkeypatch.setattr(native, "SOURCE", changed)
-    monkeypatch.setattr(native, "_TAG", [])
+    monkeypatch.setattr(STATE, "native_tag", None)
     assert native.tag() != tag
     source_tag = native.tag()
     monkeypatch.setattr(native, "_CFLAGS", ("-O3",))
-    monkeypatch.setattr(native, "_TAG", [])
+    monkeypatch.setattr(STATE, "native_tag", None)
     assert native.tag() not in (tag, source_tag)
     assert native.library_path(tmp_path).name == f"{native.MODULE}.{native.tag()}.so"
 

@@ -6,9 +6,10 @@
 // (torch's caching allocator, so CUDA-graph trees and record_stream work as for any torch
 // tensor) and the compiled kernel, a TVM-FFI function, is called through the TVM-FFI C API.
 //
-// Nothing here knows the kernels' argument list: Python hands over a program, one slot per
-// kernel argument (an input's, output's or the workspace's address, or a constant), built
-// from csa_ops.host.ARGUMENTS, the one statement of that list. The stream follows the slots.
+// Nothing here knows the kernels' argument list: Python hands over a program per launch, one
+// slot per kernel argument (an input's, output's or the workspace's address, or a
+// constant), built from a call's csa_ops.launch_description.CallSpec, which derives from
+// ARGUMENTS, the one statement of that list. The stream follows the slots.
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -90,42 +91,57 @@ at::Tensor allocate(c10::IntArrayRef shape, at::ScalarType dtype, const c10::Dev
   return tensor;
 }
 
+using Slots = std::vector<std::pair<int64_t, int64_t>>;
+
 class PreparedCall {
  public:
-  // function: a TVM-FFI function handle (held for this object's life).
-  // slots: (source, value) per kernel argument: input/output index, 0 for the workspace,
-  //   or the constant itself.
+  // launches: (function, slots) per kernel launch, in order. function: a TVM-FFI function
+  //   handle (held for this object's life); slots: (source, value) per kernel argument:
+  //   input/output index, 0 for the workspace, or the constant itself.
   // align: per input, the byte alignment the kernel assumes (0: none); a misaligned input
-  //   (a view starting mid-allocation) is copied first.
+  //   (a view starting mid-allocation) is copied first, except an input in `in_place`
+  //   (written by the kernels): then the call does nothing and returns None.
   // to_float: inputs the kernel reads as fp32 (ape in any float dtype).
   // outputs: (like, shape or None) per output.
   // restore: (output, input) pairs: the output is cast back to the input's dtype as passed.
   // workspace: fp32 elements of scratch, 0 for none.
-  PreparedCall(int64_t function, std::vector<std::pair<int64_t, int64_t>> slots,
-               std::vector<int64_t> align, std::vector<int64_t> to_float,
+  // live: an input whose address stands in for a zero one (an empty tensor), -1 for none.
+  PreparedCall(std::vector<std::pair<int64_t, Slots>> launches, std::vector<int64_t> align,
+               std::vector<int64_t> in_place, std::vector<int64_t> to_float,
                std::vector<std::pair<int64_t, std::optional<std::vector<int64_t>>>> outputs,
-               std::vector<std::pair<int64_t, int64_t>> restore, int64_t workspace)
-      : function_(reinterpret_cast<TVMFFIObjectHandle>(function)),
-        slots_(std::move(slots)),
-        align_(std::move(align)),
+               std::vector<std::pair<int64_t, int64_t>> restore, int64_t workspace,
+               int64_t live)
+      : align_(std::move(align)),
+        in_place_(align_.size(), false),
         to_float_(std::move(to_float)),
         restore_(std::move(restore)),
-        workspace_(workspace) {
-    TORCH_CHECK(function_ != nullptr, "PreparedCall: function is a null handle");
-    TORCH_CHECK(slots_.size() + 1 <= kMaxSlots, "PreparedCall: ", slots_.size(),
-                " slots, at most ", kMaxSlots - 1);
+        workspace_(workspace),
+        live_(live) {
+    TORCH_CHECK(!launches.empty(), "PreparedCall: no launch");
     const auto inputs = static_cast<int64_t>(align_.size());
+    for (int64_t i : in_place) {
+      TORCH_CHECK(0 <= i && i < inputs, "PreparedCall: in_place input ", i, " of ", inputs);
+      in_place_[i] = true;
+    }
+    TORCH_CHECK(-1 <= live_ && live_ < inputs, "PreparedCall: live input ", live_, " of ",
+                inputs);
     for (const auto& [like, shape] : outputs) {
       TORCH_CHECK(0 <= like && like < inputs, "PreparedCall: output like input ", like,
                   " of ", inputs);
       outputs_.push_back({like, shape.value_or(std::vector<int64_t>{}), shape.has_value()});
     }
     const auto num_outputs = static_cast<int64_t>(outputs_.size());
-    for (const auto& [source, value] : slots_) {
-      const bool ok = (source == kInput && 0 <= value && value < inputs) ||
-                      (source == kOutput && 0 <= value && value < num_outputs) ||
-                      (source == kWorkspace && workspace_ > 0) || source == kConstant;
-      TORCH_CHECK(ok, "PreparedCall: bad slot (", source, ", ", value, ")");
+    for (auto& [function, slots] : launches) {
+      TORCH_CHECK(function != 0, "PreparedCall: function is a null handle");
+      TORCH_CHECK(slots.size() + 1 <= kMaxSlots, "PreparedCall: ", slots.size(),
+                  " slots, at most ", kMaxSlots - 1);
+      for (const auto& [source, value] : slots) {
+        const bool ok = (source == kInput && 0 <= value && value < inputs) ||
+                        (source == kOutput && 0 <= value && value < num_outputs) ||
+                        (source == kWorkspace && workspace_ > 0) || source == kConstant;
+        TORCH_CHECK(ok, "PreparedCall: bad slot (", source, ", ", value, ")");
+      }
+      launches_.push_back({reinterpret_cast<TVMFFIObjectHandle>(function), std::move(slots)});
     }
     for (int64_t i : to_float_) {
       TORCH_CHECK(0 <= i && i < inputs, "PreparedCall: to_float input ", i, " of ", inputs);
@@ -134,17 +150,24 @@ class PreparedCall {
       TORCH_CHECK(0 <= out && out < num_outputs && 0 <= in && in < inputs,
                   "PreparedCall: bad restore pair (", out, ", ", in, ")");
     }
-    TVMFFIObjectIncRef(function_);
+    for (const auto& launch : launches_) {
+      TVMFFIObjectIncRef(launch.function);
+    }
   }
 
-  ~PreparedCall() { TVMFFIObjectDecRef(function_); }
+  ~PreparedCall() {
+    for (const auto& launch : launches_) {
+      TVMFFIObjectDecRef(launch.function);
+    }
+  }
   PreparedCall(const PreparedCall&) = delete;
   PreparedCall& operator=(const PreparedCall&) = delete;
 
   size_t num_inputs() const { return align_.size(); }
 
-  // The call on the op's tensors in schema order; returns its outputs.
-  c10::SmallVector<at::Tensor, 4> run(c10::ArrayRef<at::Tensor> tensors) const {
+  // The call on the op's tensors in schema order; returns its outputs, or nothing where an
+  // in-place input breaks its alignment (nothing was launched).
+  std::optional<c10::SmallVector<at::Tensor, 4>> run(c10::ArrayRef<at::Tensor> tensors) const {
     const size_t n = align_.size();
     TORCH_CHECK(tensors.size() == n, "csa_ops native call: expected ", n, " tensors, got ",
                 tensors.size());
@@ -159,6 +182,9 @@ class PreparedCall {
     }
     for (size_t i = 0; i < n; ++i) {
       if (align_[i] != 0 && reinterpret_cast<uintptr_t>(in[i].data_ptr()) % align_[i] != 0) {
+        if (in_place_[i]) {
+          return std::nullopt;  // written in place: a copy would not be written back
+        }
         in[i] = in[i].clone();  // a fresh allocation is aligned
       }
     }
@@ -175,29 +201,36 @@ class PreparedCall {
       workspace = allocate({workspace_}, at::kFloat, device);
     }
 
-    TVMFFIAny argv[kMaxSlots];
-    size_t k = 0;
-    for (const auto& [source, value] : slots_) {
-      int64_t v = value;
-      if (source == kInput) {
-        v = reinterpret_cast<int64_t>(in[value].data_ptr());
-      } else if (source == kOutput) {
-        v = reinterpret_cast<int64_t>(out[value].data_ptr());
-      } else if (source == kWorkspace) {
-        v = reinterpret_cast<int64_t>(workspace.data_ptr());
+    const int64_t stream = current_stream(device);
+    const int64_t live = live_ >= 0 ? reinterpret_cast<int64_t>(in[live_].data_ptr()) : 0;
+    for (const auto& launch : launches_) {
+      TVMFFIAny argv[kMaxSlots];
+      size_t k = 0;
+      for (const auto& [source, value] : launch.slots) {
+        int64_t v = value;
+        if (source == kInput) {
+          v = reinterpret_cast<int64_t>(in[value].data_ptr());
+        } else if (source == kOutput) {
+          v = reinterpret_cast<int64_t>(out[value].data_ptr());
+        } else if (source == kWorkspace) {
+          v = reinterpret_cast<int64_t>(workspace.data_ptr());
+        }
+        if (v == 0 && source != kConstant) {
+          v = live;
+        }
+        set_int(argv[k++], v);
       }
-      set_int(argv[k++], v);
-    }
-    set_int(argv[k++], current_stream(device));
-    TVMFFIAny result;
-    result.type_index = kTVMFFINone;
-    result.zero_padding = 0;
-    result.v_int64 = 0;
-    if (TVMFFIFunctionCall(function_, argv, static_cast<int32_t>(k), &result) != 0) {
-      raise_ffi_error();
-    }
-    if (result.type_index >= kTVMFFIStaticObjectBegin) {
-      TVMFFIObjectDecRef(result.v_obj);
+      set_int(argv[k++], stream);
+      TVMFFIAny result;
+      result.type_index = kTVMFFINone;
+      result.zero_padding = 0;
+      result.v_int64 = 0;
+      if (TVMFFIFunctionCall(launch.function, argv, static_cast<int32_t>(k), &result) != 0) {
+        raise_ffi_error();
+      }
+      if (result.type_index >= kTVMFFIStaticObjectBegin) {
+        TVMFFIObjectDecRef(result.v_obj);
+      }
     }
     for (const auto& [o, i] : restore_) {
       out[o] = out[o].to(passed[i]);
@@ -214,7 +247,11 @@ class PreparedCall {
                   " is not a tensor");
       tensors.push_back(THPVariable_Unpack(obj));
     }
-    return to_python(run(tensors));
+    auto out = run(tensors);
+    if (!out) {
+      return py::none();
+    }
+    return to_python(std::move(*out));
   }
 
   static py::object to_python(c10::SmallVector<at::Tensor, 4>&& out) {
@@ -235,13 +272,19 @@ class PreparedCall {
     any.v_int64 = value;
   }
 
-  TVMFFIObjectHandle function_;
-  std::vector<std::pair<int64_t, int64_t>> slots_;
+  struct Launch {
+    TVMFFIObjectHandle function;
+    Slots slots;
+  };
+
+  std::vector<Launch> launches_;
   std::vector<int64_t> align_;
+  std::vector<bool> in_place_;
   std::vector<int64_t> to_float_;
   std::vector<OutputSpec> outputs_;
   std::vector<std::pair<int64_t, int64_t>> restore_;
   int64_t workspace_;
+  int64_t live_;
 };
 
 // Metadata signature -> prepared call, looked up and called in one step: what
@@ -390,7 +433,10 @@ class AutogradKernel final : public c10::OperatorKernel {
     c10::SmallVector<at::Tensor, 4> out;
     {
       at::AutoDispatchBelowADInplaceOrView below;  // its own ops record no autograd either
-      out = entry.call->run(tensors);
+      auto result = entry.call->run(tensors);
+      // Only calls without in-place inputs enter the table: none returns nothing.
+      TORCH_CHECK(result.has_value(), "csa_ops native: a table call launched nothing");
+      out = std::move(*result);
     }
     return_outputs(stack, n, out);
   }
@@ -494,12 +540,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("WORKSPACE") = static_cast<int64_t>(kWorkspace);
   m.attr("CONSTANT") = static_cast<int64_t>(kConstant);
   py::class_<PreparedCall, std::shared_ptr<PreparedCall>>(m, "PreparedCall")
-      .def(py::init<int64_t, std::vector<std::pair<int64_t, int64_t>>, std::vector<int64_t>,
-                    std::vector<int64_t>,
+      .def(py::init<std::vector<std::pair<int64_t, Slots>>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<std::pair<int64_t, std::optional<std::vector<int64_t>>>>,
-                    std::vector<std::pair<int64_t, int64_t>>, int64_t>(),
-           py::arg("function"), py::arg("slots"), py::arg("align"), py::arg("to_float"),
-           py::arg("outputs"), py::arg("restore"), py::arg("workspace"))
+                    std::vector<std::pair<int64_t, int64_t>>, int64_t, int64_t>(),
+           py::arg("launches"), py::arg("align"), py::arg("in_place"), py::arg("to_float"),
+           py::arg("outputs"), py::arg("restore"), py::arg("workspace"), py::arg("live"))
       .def("__call__", &PreparedCall::operator());
   py::class_<CallTable, std::shared_ptr<CallTable>>(m, "CallTable")
       .def(py::init<>())

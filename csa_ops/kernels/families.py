@@ -26,6 +26,8 @@ class KernelFamily(Protocol):
         Heuristic key for one direction (EXTEND: the forward's); dtype/arch as in config.
     supports(key) -> bool
         Whether this family compiles `key` (cheap, no device access).
+    fast_forward(key) -> KernelKey
+        The forward key of the fast numerics mode (csa_ops.set_forward_numerics).
     plan_forward / plan_backward(key, num_tokens, num_rows, num_sms) -> LaunchPlan
         Grid size and fp32 workspace elements. Workspace content is undefined on entry; a
         family that needs it zeroed zeroes it inside its own launches (CUDA-graph safe).
@@ -46,6 +48,7 @@ class KernelFamily(Protocol):
     def configure(self, ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
                   direction: Direction) -> KernelKey: ...
     def supports(self, key: KernelKey) -> bool: ...
+    def fast_forward(self, key: KernelKey) -> KernelKey: ...
     def plan_forward(self, key: KernelKey, num_tokens: int, num_rows: int,
                      num_sms: int) -> LaunchPlan: ...
     def plan_backward(self, key: KernelKey, num_tokens: int, num_rows: int,

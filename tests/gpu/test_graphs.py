@@ -234,10 +234,10 @@ def test_concurrent_first_calls_compile_once():
 
 
 def test_launch_stream_is_the_callers_current_stream():
-    from csa_ops import launcher
+    from csa_ops.launch_description import current_stream_handle
 
     index = torch.cuda.current_device()
-    assert launcher.current_stream_handle(index) == torch.cuda.current_stream().cuda_stream
+    assert current_stream_handle(index) == torch.cuda.current_stream().cuda_stream
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        assert launcher.current_stream_handle(index) == side.cuda_stream != 0
+        assert current_stream_handle(index) == side.cuda_stream != 0

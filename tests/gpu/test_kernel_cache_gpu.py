@@ -54,16 +54,3 @@ def test_deployed_cache_runs_without_compiling_and_matches_a_jit_run(tmp_path):
     assert loaded == [0, 2, 0, 1]
     for a, b in zip(torch.load(tmp_path / "jit.pt"), torch.load(tmp_path / "cached.pt")):
         assert torch.equal(a, b)
-
-
-def test_public_dsl_call_fallback_matches_the_tvm_ffi_launch(tmp_path):
-    """Without TVM-FFI (CSA_OPS_TVM_FFI=0) kernels compile for the DSL's own call and run in
-    memory only; their results are bitwise those of the TVM-FFI launch."""
-    tvm = _run(tmp_path / "tvm.pt", {"CSA_OPS_CACHE": "0"})
-    public = _run(tmp_path / "public.pt", {"CSA_OPS_TVM_FFI": "0",
-                                           "CSA_OPS_CACHE_DIR": str(tmp_path / "unused")})
-    assert tvm[:2] == public[:2] == [2, 0]  # both compiled in memory, nothing loaded
-    assert tvm[3] == public[3] == 0  # no cache, no native library
-    assert not (tmp_path / "unused").exists() or not any((tmp_path / "unused").iterdir())
-    for a, b in zip(torch.load(tmp_path / "tvm.pt"), torch.load(tmp_path / "public.pt")):
-        assert torch.equal(a, b)

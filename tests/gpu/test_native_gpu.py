@@ -11,6 +11,7 @@ import torch
 from helpers import PackSpec, assert_bitwise_equal, make_pack
 
 from csa_ops import host, native, ops
+from csa_ops.state import STATE
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -46,7 +47,7 @@ def test_native_calls_match_the_python_path_bitwise(spec, dtype, ape_dtype, misa
     if misaligned:
         pack.kv, pack.score = _misaligned(pack.kv), _misaligned(pack.score)
     grad_out = pack.grad_out()
-    host._forget_prepared_calls()
+    STATE.forget_calls()
     for direction, tensors, scalars in (
             ("fwd", pack.tensors(), (spec.ratio, spec.coff, spec.capacity)),
             ("bwd", (grad_out, *pack.tensors()), (spec.ratio, spec.coff, None))):
@@ -71,7 +72,7 @@ def test_native_calls_capture_in_a_cuda_graph():
     spec = PackSpec((1000, 3, 517), 4, 2, 128, extra_rows=5)
     pack = make_pack(spec, torch.bfloat16, device="cuda")
     grad_out = pack.grad_out()
-    host._forget_prepared_calls()
+    STATE.forget_calls()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

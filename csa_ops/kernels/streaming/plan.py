@@ -100,6 +100,13 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
     return with_knobs(key, **overrides) if overrides else key
 
 
+def fast_forward(key: KernelKey) -> KernelKey:
+    """The forward key of the fast numerics mode: no columns in torch's order (the fast
+    softmax alone: within one rounding step of the eager region except on rare cancelling
+    columns)."""
+    return with_knobs(key, parity=Parity.NEVER)
+
+
 def supports(key: KernelKey) -> bool:
     if key.family != "streaming" or key.dtype not in ("bfloat16", "float16"):
         return False
