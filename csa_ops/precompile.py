@@ -1,14 +1,9 @@
-"""Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``,
-``csa_ops.precompile_extend(...)``).
+"""Ahead-of-time kernels: ``python -m csa_ops.precompile`` (and ``csa_ops.precompile(...)``).
 
-The command builds the persistent kernel cache (``csa_ops.kernel_cache``) for chosen
-configurations, dtypes and archs (csa::compressor's two directions and
-csa::compressor_extend's kernels, those its call size classes launch: extend_plan.keys), on
-any machine, without a GPU (cross-compiling). Ship the directory and point
-``CSA_OPS_CACHE_DIR`` at it: a GPU machine then loads every kernel of those configurations
-and never compiles. It also builds the native launch library
-(``csa_ops.native``) for this machine's torch into the same directory; a machine with another
-torch builds its own on first use.
+Builds the kernel cache (``csa_ops.kernel_cache``) of chosen configurations, dtypes and archs
+(csa::compressor's two directions, csa::compressor_extend's kernels) on any machine, without a
+GPU, a line per kernel as it goes (--quiet: none), and the native launch library for this
+torch. Ship the directory as CSA_OPS_CACHE_DIR: a GPU machine then loads, never compiles.
 
     python -m csa_ops.precompile --ratio 4 --coff 2 --head-dim 128 512 \\
         --dtype bfloat16 --arch sm_90a sm_100a --cache-dir ./csa-kernels
@@ -17,6 +12,7 @@ torch builds its own on first use.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import pathlib
@@ -28,28 +24,47 @@ import types
 import torch
 
 
-def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
-                log=print) -> dict[str, int]:
-    """Make sure ``root`` holds both directions of every combination and the serving op's
-    kernels; counts of kernels compiled and already present."""
+def kernel_plan(ratios, coffs, head_dims, dtypes, archs) -> list[tuple[object, object, str]]:
+    """(direction, key, label) of every kernel the combinations need, in build order: both
+    directions of csa::compressor and the serving op's kernels. An unsupported combination
+    raises ValueError here, before anything compiles."""
     from . import host
     from .config import Direction
     from .kernels import extend_plan
 
-    counts = {"compiled": 0, "present": 0}
+    plan = []
     for ratio, coff, head_dim, dtype, arch in itertools.product(ratios, coffs, head_dims,
                                                                 dtypes, archs):
         keys = host.configuration_keys(ratio, head_dim, coff, dtype, arch)
         forward_key = keys[0][1]
         if extend_plan.supports(forward_key):  # csa::compressor_extend's kernels too
             keys += [(Direction.EXTEND, key) for key in extend_plan.keys(forward_key)]
-        for direction, key in keys:
-            start = time.perf_counter()
-            built = host.KERNELS.export(direction, key, root)
-            state = "compiled" if built else "present"
-            counts[state] += 1
-            log(f"{state:8s} {direction} ratio={ratio} coff={coff} head_dim={head_dim} "
-                f"{key.dtype} {arch} ({time.perf_counter() - start:.2f} s)")
+        where = f"ratio={ratio} coff={coff} head_dim={head_dim}"
+        plan += [(direction, key, f"{direction} {where} {key.dtype} {arch}")
+                 for direction, key in keys]
+    return plan
+
+
+def build_cache(ratios, coffs, head_dims, dtypes, archs, root: pathlib.Path,
+                log=print) -> dict[str, int]:
+    """Make sure ``root`` holds every kernel of ``kernel_plan``; counts of kernels compiled
+    and already present. ``log`` gets one line per kernel as it is done (its count of the
+    total, whether it was compiled, its time and the time since the start): a compile takes
+    seconds to a minute, so a long build shows where it stands. log=None: no lines."""
+    from . import host
+
+    plan = kernel_plan(ratios, coffs, head_dims, dtypes, archs)
+    counts = {"compiled": 0, "present": 0}
+    width = len(str(len(plan)))
+    start = time.perf_counter()
+    for done, (direction, key, label) in enumerate(plan, start=1):
+        began = time.perf_counter()
+        state = "compiled" if host.KERNELS.export(direction, key, root) else "present"
+        counts[state] += 1
+        if log is not None:
+            now = time.perf_counter()
+            log(f"[{done:{width}d}/{len(plan)}] {state:8s} {label} ({now - began:.1f} s, "
+                f"{now - start:.1f} s elapsed)")
     return counts
 
 
@@ -65,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", nargs="+", default=list(config.ARCHS), choices=config.ARCHS)
     parser.add_argument("--cache-dir", type=pathlib.Path, default=None,
                         help="default: $CSA_OPS_CACHE_DIR or the user cache directory")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no line per kernel (the closing summary and errors still print)")
     parser.add_argument("--no-native", action="store_true",
                         help="skip building the native launch library (csa_ops.native) for "
                              "this machine's torch")
@@ -79,7 +96,8 @@ def main(argv=None) -> int:
     os.makedirs(root, exist_ok=True)
     dtypes = [getattr(torch, name) for name in args.dtype]
     try:
-        counts = build_cache(args.ratio, args.coff, args.head_dim, dtypes, args.arch, root)
+        counts = build_cache(args.ratio, args.coff, args.head_dim, dtypes, args.arch, root,
+                             log=None if args.quiet else functools.partial(print, flush=True))
     except ValueError as error:
         print(f"csa_ops.precompile: {error}", file=sys.stderr)
         return 2
