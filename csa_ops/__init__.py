@@ -82,9 +82,10 @@ def forward_numerics(mode: str):
 
 
 def __getattr__(name: str):
-    # ``csa_ops.lowering`` without importing Inductor at package import (PEP 562).
-    if name == "lowering":
-        return importlib.import_module(f"{__name__}.lowering")
+    # ``csa_ops.lowering`` without importing Inductor at package import, and
+    # ``csa_ops.distributed`` without the functional collectives' imports (PEP 562).
+    if name in ("lowering", "distributed"):
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -222,6 +222,7 @@ def test_knob_variants_apply_known_names_and_reject_others(time_kernels, backwar
 @pytest.mark.parametrize("ratio, coff", [(4, 2), (128, 1)])
 def test_sweep_enumerates_supported_keys_of_the_default_keys_family(time_kernels, ratio, coff):
     from csa_ops import host
+    from csa_ops.config import Direction
 
     for backward in (False, True):
         base = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a",

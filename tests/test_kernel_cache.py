@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from csa_ops import host, kernel_cache
+from csa_ops import compile_cache, host, kernel_cache
 from csa_ops.config import Direction
 from csa_ops.kernels import extend_plan
 from csa_ops.state import STATE
@@ -36,7 +36,7 @@ def _identity(key, direction="fwd"):
 @pytest.fixture(scope="module")
 def compiled():
     """One real compiled kernel, reused as the `build` result of every test here."""
-    return host._compile("fwd", _key())
+    return compile_cache.compile_kernel(Direction.FORWARD, _key())
 
 
 class _Builds:
