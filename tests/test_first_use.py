@@ -68,4 +68,17 @@ def test_demo_runs_without_warnings(tmp_path):
                           text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "NumPy" not in done.stderr
-    assert "eager and compiled match the reference" in done.stdout
+    assert done.stdout.count("eager and compiled match the reference") == 2  # both rows
+    # The table: ours beside the reference, a row per configuration and pass, every cell
+    # timed (CUDA graphs only on a GPU).
+    rows = [line for line in done.stdout.splitlines() if re.match(r"\| r\d+ c\d ", line)]
+    assert len(rows) == 4, done.stdout
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert len(cells) == 7 and all(re.fullmatch(r"\d+\.\d{3}", c) for c in cells[2:4])
+        speedups = r"\d+\.\d{3} \(\S+x / \S+x\)"
+        assert all(re.fullmatch(speedups, c) for c in cells[4:6]), row
+        if torch.cuda.is_available():
+            assert re.fullmatch(speedups, cells[6]), row
+        else:
+            assert cells[6] == "n/a", row
