@@ -60,6 +60,8 @@ if wants tests; then
   job lowering "$T" "$ROOT" $PYTEST tests/gpu/test_lowering_gpu.py
   job serving "$T" "$ROOT" $PYTEST tests/gpu/test_serving_gpu.py
   job native "$T" "$ROOT" $PYTEST tests/gpu/test_native_gpu.py
+  job distributed "$T" "$ROOT" $PYTEST tests/gpu/test_distributed_gpu.py
+  job epilogue "$T" "$ROOT" $PYTEST tests/gpu/test_epilogue_gpu.py
 fi
 if wants sanitize; then
   # Without the caching allocator every tensor is its own allocation, so memcheck sees any

@@ -523,9 +523,9 @@ class WindowExtend(WindowKernel):
             if cutlass.const_expr(self.request_rows):
                 # Padding rows [total, num_rows), strided over the grid's item slots.
                 pad0 = cutlass.min(cutlass.max(total, Int32(0)), num_rows)
-                item_slots = cute.arch.grid_dim()[0] // self.ny * self.rpc
-                self.zero_rows(p_out, pad0 + item, num_rows, item_slots,
-                               cv)
+                first_pad = pad0 + item
+                self.zero_rows(p_out, first_pad, num_rows,
+                               cute.arch.grid_dim()[0] // self.ny * self.rpc, cv)
             elif cutlass.const_expr(not self.has_rows):
                 pass
             elif item >= num_reqs:
