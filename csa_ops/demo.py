@@ -49,11 +49,6 @@ class ReferenceBlock(nn.Module):
         return F.rms_norm(pooled, (b.head_dim,), b.norm.weight, b.norm.eps)
 
 
-def _reference_block(block: Compressor, x, cu, cuc, total_comp):
-    """The same block with the op replaced by the fp32-intermediate reference."""
-    return ReferenceBlock(block)(x, cu, cuc, total_comp)
-
-
 def _without_cache_trace_warning(fn):
     """fn without Dynamo's warning that it traces through a functools.cache: on the CPU the
     reference settles torch's exp kernel once per dtype (a one-element exp) behind one, which
@@ -155,16 +150,21 @@ class _Row:
             self.fns[name] = fn
 
     def forward(self, name):
+        """The block's output; under CUDA graphs it lives in the graph's memory until the next
+        step (the check copies it, the timing does not)."""
         torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs' outputs
         with torch.no_grad():
-            return self.fns[name](self.x, self.cu, self.cuc, self.total_comp).clone()
+            return self.fns[name](self.x, self.cu, self.cuc, self.total_comp)
 
     def train_step(self, name):
-        """Forward+backward; the gradients of the block's parameters."""
+        """Forward+backward into the parameters' .grad."""
         torch.compiler.cudagraph_mark_step_begin()
         self.block.zero_grad(set_to_none=True)
         out = self.fns[name](self.x, self.cu, self.cuc, self.total_comp)
         (out.float() * self.probe).sum().backward()
+
+    def _grads(self, name) -> dict[str, torch.Tensor]:
+        self.train_step(name)
         return {n: p.grad.clone() for n, p in self.block.named_parameters()}
 
     def check(self, dtype) -> str:
@@ -175,18 +175,20 @@ class _Row:
         GEMMs agree to ~1e-6, not bitwise."""
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         grad_tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        expected = self.forward("reference eager")
-        expected_grads = self.train_step("reference eager")
+        expected = self.forward("reference eager").clone()
+        expected_grads = self._grads("reference eager")
         out_err, grad_err = 0.0, 0.0
         for name in self.fns:
-            out = self.forward(name)
+            out = self.forward(name).clone()
             torch.testing.assert_close(out, expected, atol=tol, rtol=tol,
                                        msg=lambda m, n=name: f"{n}: {m}")
-            assert bool((out[self.rows:] == 0).all()), f"{name}: padding rows are not zero"
+            if not bool((out[self.rows:] == 0).all()):
+                raise AssertionError(f"{name}: padding rows are not zero")
             out_err = max(out_err, float((out.float() - expected.float()).abs().max()))
-            for param, grad in self.train_step(name).items():
+            for param, grad in self._grads(name).items():
                 err = _relative_error(grad, expected_grads[param])
-                assert err <= grad_tol, f"{name}: grad of {param} {err:.2e} from the reference"
+                if not err <= grad_tol:
+                    raise AssertionError(f"{name}: grad of {param} {err:.2e} from the reference")
                 grad_err = max(grad_err, err)
         return (f"r{self.ratio} c{self.coff}: {self.rows} rows (+8 padding); eager and compiled "
                 f"match the reference (max abs err {out_err:.2e}, gradients within "

@@ -50,3 +50,16 @@ def test_sizes_are_the_realistic_block_on_cuda():
 def test_configs_errors_name_the_option(text):
     with pytest.raises(argparse.ArgumentTypeError, match="--configs takes RATIOxCOFF"):
         demo._configs(text)
+
+
+def test_check_compares_ours_with_the_reference():
+    cpu = torch.device("cpu")
+    args = demo._parser(cpu).parse_args(["--lengths", "9,0,6", "--dim", "8", "--head-dim", "4"])
+    row = demo._Row(args, cpu, torch.float32, 2, 2)
+    row.fns = {name: row.fns[name] for name in ("reference eager", "ours eager")}  # no compile
+    assert "r2 c2: 7 rows (+8 padding); eager and compiled match the reference" in row.check(
+        torch.float32)
+    ours = row.fns["ours eager"]
+    row.fns["ours eager"] = lambda *args: ours(*args) * 1.001
+    with pytest.raises(AssertionError, match="ours eager"):
+        row.check(torch.float32)
