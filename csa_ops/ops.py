@@ -217,7 +217,7 @@ def compressor(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
     whose error bound is checked per output column, the exact one as its fallback) within
     one rounding step everywhere and bit-identical on at least 99.99% of elements. Larger
     windows (streaming kernels): the forward within one rounding step everywhere (the same
-    certificate, with torch's own CUDA order as the fallback: kernels/torch_order.py), the
+    certificate, with torch's own CUDA order as the fallback: kernels/shared/torch_order.py), the
     gradients within one step plus fp32 summation error, all at least as close to an fp64
     oracle. CPU: ``csa_ops.reference``, torch's CPU order.
     ``grad_ape`` is within 1e-3, reduced in a fixed order without atomics. All outputs are

@@ -1,4 +1,4 @@
-"""Vectorized reference of csa::compressor_extend (SPEC 8); it serves every device.
+"""Vectorized reference of csa::compressor_extend; it serves every device.
 
 A request's sequence position ``p`` lives either in its slot's state (``p < start_pos``)
 or among the new tokens. Emitted rows gather their windows from those two sources into the
@@ -118,7 +118,8 @@ def _rows(src: _Sources, cu_seqlens_comp, rows: int, out_dtype) -> torch.Tensor:
     req = _segment_of(cuc, n)
     block = src.start[req] // src.ratio + n - cuc[req]
     k = torch.arange(src.window, device=device)
-    # The window starts coff-1 blocks before the row's own block (SPEC 1).
+    # The window starts coff-1 blocks before the row's own block (with coff 2 the first
+    # half of the columns reads the previous block).
     pos = (block[:, None] - (src.coff - 1)) * src.ratio + k
     half = k // src.ratio
     value, logit = _read(src, req[:, None], pos, half)

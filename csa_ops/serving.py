@@ -1,10 +1,10 @@
 """csa::compressor_extend: stateful compression for prefill, chunked prefill and decode.
 
-The op (SPEC 8) extends per-request state by new THD-packed tokens and emits the rows of the
+The op extends per-request state by new THD-packed tokens and emits the rows of the
 blocks they complete. It mutates the two state tensors in place and is inference only: an
 Autograd kernel refuses gradient requests. CUDA runs a CuTe-DSL kernel of the forward's
-family (kernels/extend.py for register windows, the streaming family's extend kernel in
-kernels/streaming.py for larger ones); every other case runs ``csa_ops.reference_extend``.
+family (kernels/window/extend.py for register windows, kernels/streaming/extend.py for
+larger ones); every other case runs ``csa_ops.reference_extend``.
 The fake lives in ``csa_ops.meta.serving``; ``CompressorState`` owns the state.
 """
 

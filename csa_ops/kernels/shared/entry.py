@@ -1,6 +1,6 @@
 """One compile helper for both kernel families: a `@cute.jit` launch entry becomes a binary.
 
-The argument list comes from ``csa_ops.host`` (``host.ARGUMENTS``) as slots
+The argument list comes from ``csa_ops.launch_description`` (``ARGUMENTS``) as slots
 ``("ptr", dtype name, assumed alignment)`` or ``("i32",)``; the stream always comes last.
 Compiles run from placeholder pointers, never from user tensors, so a key compiles the same
 binary on any machine, with or without a GPU (``arch`` names the target).

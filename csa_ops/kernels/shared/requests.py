@@ -1,5 +1,5 @@
-"""Device helpers of csa::compressor_extend shared by its two kernels (extend.py for register
-windows, streaming.py for large ones): a request's validity and row count as the reference
+"""Device helpers of csa::compressor_extend shared by its two kernels (window/extend.py for
+register windows, streaming/extend.py for large ones): a request's validity and row count as the reference
 defines them, the batch's row offsets by one block-wide scan (and `place`, the walk over a
 thread's scanned run that places its requests' rows), the two sums a CTA whose requests pool
 their own rows needs instead (`row_sums`, over `strided`), all loading the row counts'

@@ -1,4 +1,5 @@
-"""The operation order of torch's CUDA eager region (SPEC 3) for one forward column.
+"""The operation order of torch's CUDA eager region (the numerics comparator) for one forward
+column.
 
 `w = torch.softmax(sg, dim=1)` and `(kvg * w).sum(dim=1)` over `(rows, W, d)` fp32 tensors
 run, on CUDA, `cunn_SpatialSoftMaxForward` and `reduce_kernel` (ATen's SoftMax.cu and
@@ -17,7 +18,7 @@ that order, then a fixed tree combines the chains.
   order; V_y = ((A_y0 + A_y1) + A_y2) + A_y3; the V_y meet in a halving tree
   (block_y_reduce). The products kv_k * p_k are rounded to fp32 first (a separate mul).
 
-The streaming kernels' exact columns (kernels/streaming.py) read the two configuration
+The streaming kernels' exact columns (kernels/streaming/kernels.py) read the two configuration
 functions; `forward` spells the same order out in elementwise torch ops (tests, and
 bench/probe_torch_order.py, check it against torch's own kernels on the device).
 """

@@ -171,7 +171,7 @@ class StreamingExtend(StreamingKernel):
 
     @cute.jit
     def _update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, tid, cb):
-        """SPEC 8's state for `end` tokens, this CTA's columns: entry e then holds position
+        """The serving state for `end` tokens, this CTA's columns: entry e then holds position
         (end // ratio - coff + 1) * ratio + e where that is < end (a new token, a moved
         entry, or the initial state before position 0); other entries stay. Per coff-half,
         every thread loads its entries' sources, a barrier, then every thread stores (a

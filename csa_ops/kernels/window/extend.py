@@ -222,7 +222,7 @@ class WindowExtend(WindowKernel):
 
     @cute.jit
     def update_state(self, p_kv, p_score, p_kvs, p_ss, sApe, tok0, start, end, slot, cv, cvl):
-        """SPEC 8's state for `end` tokens: entry e then holds position
+        """The serving state for `end` tokens (docs/serving.md): entry e then holds position
         (end // R - C + 1) * R + e where that is < end (new tokens, a moved entry, or the
         initial state before position 0); other entries stay. Ascending e, loads of a group
         before its stores: a moved entry's source, e + (end // R - start // R) * R > e, is

@@ -51,7 +51,7 @@ def _flags(window: int, head_dim: int, dtype: str, backward: bool) -> dict[str, 
         # runs at d512 (3x8192 r4 c2 63.0 against 65.6 us, 1x65536 160.5 against 163.0,
         # 1x8192 24.0 against 25.0); at d128 the 1-D grid won (1x8192 9.9 against 10.2).
         return {"linear": head_dim <= NARROW_HEAD_DIM}
-    # The bf16 forward takes the certified fast softmax (kernels/window.py, _output_fast):
+    # The bf16 forward takes the certified fast softmax (shared/softmax.py, pool_fast):
     # within one output rounding step, as the numerics contract allows (H200: 3x8192 d512 r4 c2 30.7
     # against 34.9 us, 142 of 3.1M elements one step off). fp16's 8x finer step would send
     # 8x more columns to the exact fallback, and fp32 has no slack: both stay exact. Short
