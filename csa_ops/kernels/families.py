@@ -39,10 +39,10 @@ class KernelFamily(Protocol):
     plan_extend(key, num_tokens, num_requests, num_rows, num_sms) -> ((key, LaunchPlan), ..)
         Each launch of one extend call, planned; plan_extend_launch plans one of them (a
         streaming split call's rows launch only beside its requests').
-    Kernels (the classes named in KERNELS) get their arguments as launch_description.ARGUMENTS[direction]
-    then the stream; num_rows = out.shape[0] (may exceed cuc[-1]). Every output element is
-    written (outputs come from torch.empty), no float atomics, no read or write out of
-    bounds for any offsets' contents.
+    Kernels (the classes named in KERNELS) get their arguments as
+    launch_description.ARGUMENTS[direction] then the stream; num_rows = out.shape[0] (may
+    exceed cuc[-1]). Every output element is written (outputs come from torch.empty), no
+    float atomics, no read or write out of bounds for any offsets' contents.
     """
 
     def configure(self, ratio: int, coff: int, head_dim: int, dtype: str, arch: str,

@@ -1,10 +1,10 @@
 """Device helpers of csa::compressor_extend shared by its two kernels (window/extend.py for
-register windows, streaming/extend.py for large ones): a request's validity and row count as the reference
-defines them, the batch's row offsets by one block-wide scan (and `place`, the walk over a
-thread's scanned run that places its requests' rows), the two sums a CTA whose requests pool
-their own rows needs instead (`row_sums`, over `strided`), all loading the row counts'
-inputs a chunk of requests per round trip (`load_counts`), and, for batches of at most 32
-requests, the whole batch held in one warp's lanes.
+register windows, streaming/extend.py for large ones): a request's validity and row count as
+the reference defines them, the batch's row offsets by one block-wide scan (and `place`, the
+walk over a thread's scanned run that places its requests' rows), the two sums a CTA whose
+requests pool their own rows needs instead (`row_sums`, over `strided`), all loading the row
+counts' inputs a chunk of requests per round trip (`load_counts`), and, for batches of at
+most 32 requests, the whole batch held in one warp's lanes.
 
 A request is `ok` when its tokens lie in [0, num_tokens), its slot in [0, num_slots),
 0 <= start and start + length fits int32. Other requests still count their rows (the

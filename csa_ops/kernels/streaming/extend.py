@@ -13,7 +13,7 @@ from cutlass import Float32, Int32, Int64, const_expr, cute
 from ...config import KernelKey, Part
 from ..shared import common as cm
 from ..shared import requests
-from .kernels import RowFlag, StreamingKernel, flat
+from .kernels import RowFlag, RowTensors, StreamingKernel, flat
 from .plan import MAX_ROWS, RED_KINDS, quiet_lanes
 
 QUIET_UNROLL = 4  # pieces of a quiet request's update loaded before their stores
@@ -28,15 +28,15 @@ class StreamingExtend(StreamingKernel):
     """csa::compressor_extend for large windows, compiled from the forward's key.
 
     Work items as in the register-window extend kernel: per request, its state-reading rows
-    (its first min(rows, coff)) and then its state update; then one per output row (windows of new tokens only;
-    padding: zeros). A CTA owns a column block and a strided set of items; every CTA scans
-    the batch's row counts to place its items (requests.Batch). Then its subwarps take the
-    items that need no more (requests that complete no block, padding rows) all at once,
-    and the whole CTA runs the rest one after another (`_run_item`); a CTA of a single item
-    runs it without the subwarps' pass. A row gathers its window
-    into the forward's tile, kv from the new tokens or the state, and logits into an fp32
-    tile: fp32(score) + ape as the forward adds them (ape read from L2, not staged: a decode
-    CTA needs a single entry of it), or the state's stored logit. It then pools through the
+    (its first min(rows, coff)) and then its state update; then one per output row (windows
+    of new tokens only; padding: zeros). A CTA owns a column block and a strided set of
+    items; every CTA scans the batch's row counts to place its items (requests.Batch). Then
+    its subwarps take the items that need no more (requests that complete no block, padding
+    rows) all at once, and the whole CTA runs the rest one after another (`_run_item`); a
+    CTA of a single item runs it without the subwarps' pass. A row gathers its window into
+    the forward's tile, kv from the new tokens or the state, and logits into an fp32 tile:
+    fp32(score) + ape as the forward adds them (ape read from L2, not staged: a decode CTA
+    needs a single entry of it), or the state's stored logit. It then pools through the
     forward's own `_row`, so rows are bit-identical to the CUDA csa::compressor's. A
     request's rows and its update run in one CTA per column block, so CTA barriers order
     every state read before the writes.
@@ -49,7 +49,7 @@ class StreamingExtend(StreamingKernel):
 
     def __init__(self, key: KernelKey):
         super().__init__(key, backward=False)
-        self.batch = requests.Batch(self.r, self.nt)
+        self.batch = requests.Batch(self.ratio, self.threads)
         self.quiet_lanes = quiet_lanes(key)
         self.part = key.knobs.part
         self.has_rows = self.part != Part.REQUESTS  # this launch has row items
@@ -61,10 +61,10 @@ class StreamingExtend(StreamingKernel):
         coff-half), ape read where it lies (L2): a decode CTA needs one entry of it."""
         sc = self._load_f32(gSc[(None, (t, gc))])
         ap = cute.make_rmem_tensor((self.vec,), Float32)
-        half = k // self.r
-        for h in cutlass.range_constexpr(self.ah):
+        half = k // self.ratio
+        for h in cutlass.range_constexpr(self.ape_chunks):
             chunk = self._ape_chunk(half, colc, h)
-            flat(ap, self.av, h).store(gApe[(None, (k - half * self.r, chunk))].load())
+            flat(ap, self.ape_vec, h).store(gApe[(None, (k - half * self.ratio, chunk))].load())
         lg = cute.make_rmem_tensor((self.vec,), Float32)
         for v in cutlass.range_constexpr(self.vec):
             lg[v] = sc[v] + ap[v]
@@ -79,18 +79,18 @@ class StreamingExtend(StreamingKernel):
         The state's entries go by cp.async, all in flight at once (one round trip to DRAM,
         not one per entry a thread gathers). New tokens, whose logits add ape in registers,
         are the window's last entries: a thread reaches them after its copies are issued."""
-        R, W = self.r, self.w
-        win0 = (q - (self.co - 1)) * R
-        st0 = (start // R - (self.co - 1)) * R
+        R, W = self.ratio, self.window
+        win0 = (q - (self.coff - 1)) * R
+        st0 = (start // R - (self.coff - 1)) * R
         kv_atom = self._g2s_atom(self.dtype, self.vec)
-        logit_atom = self._g2s_atom(Float32, self.av)
+        logit_atom = self._g2s_atom(Float32, self.ape_vec)
         for r in cutlass.range_constexpr(self.loads):
-            idx = tid + self.nt * r
-            k, c = idx // self.cv, idx % self.cv
-            colc, pos = cb * self.cv + c, win0 + k
-            if k < W and colc < self.ncv and pos >= 0:
+            idx = tid + self.threads * r
+            k, c = idx // self.col_vectors, idx % self.col_vectors
+            colc, pos = cb * self.col_vectors + c, win0 + k
+            if k < W and colc < self.half_vectors and pos >= 0:
                 ph = self._phys(c, k)
-                gc = (k // R) * self.ncv + colc
+                gc = (k // R) * self.half_vectors + colc
                 if pos >= start:
                     t = tok0 + (pos - start)
                     sTile[(None, ph, k, 1, 0)].store(gKV[(None, (t, gc))].load())
@@ -100,15 +100,17 @@ class StreamingExtend(StreamingKernel):
                                                    Int32(0))
                     self._copy(kv_atom, gKVs[(None, (entry, gc))], sTile[(None, ph, k, 1, 0)])
                     src, dst = gSs[(None, (entry, gc))], sLg[(None, ph, k)]
-                    for h in cutlass.range_constexpr(self.ah):
-                        cute.copy(logit_atom, flat(src, self.av, h), flat(dst, self.av, h))
+                    for h in cutlass.range_constexpr(self.ape_chunks):
+                        cute.copy(logit_atom, flat(src, self.ape_vec, h),
+                                  flat(dst, self.ape_vec, h))
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _pool(self, sTile, sLg, gApe, sRed, sScr, gKV, gSc, gKVs, gSs, gOut, n, q, tok0, start,
-              slot, tid, lane, cvw, wp, cb):
+              slot, thr):
         """Row n = block q of a request (uniform over the CTA)."""
+        tid, cb = thr.tid, thr.cb
         self._gather_window(sTile, sLg, gApe, gKV, gSc, gKVs, gSs, q, tok0, start, slot, tid,
                             cb)
         cute.arch.barrier()
@@ -116,8 +118,8 @@ class StreamingExtend(StreamingKernel):
         # token bound, so the mask is the forward's block-0 mask. (No ape tile: the logits
         # are in sLg.)
         self._row(sTile, None, sRed, sScr, gOut, gOut, gOut, None, 0, n,
-                  (q - (self.co - 1)) * self.r, Int32(3), Int32(requests.INT32_MAX), tid,
-                  lane, cvw, wp, cb, True, sLg)
+                  (q - (self.coff - 1)) * self.ratio, Int32(3), Int32(requests.INT32_MAX), thr,
+                  True, sLg)
         cute.arch.barrier()  # the tile is free for the next row
 
     def _rows_here(self, first_row, rows_b, row0, groups, num_rows):
@@ -155,9 +157,9 @@ class StreamingExtend(StreamingKernel):
     def _slot_entry(self, r, tid, cb, st1):
         """(entry, column vector, position) of a thread's r-th (entry, column vector) pair of
         a slot in the state update; the entry holds position st1 + entry."""
-        idx = tid + self.nt * r
-        e = idx // self.cv
-        return e, cb * self.cv + idx % self.cv, st1 + e
+        idx = tid + self.threads * r
+        e = idx // self.col_vectors
+        return e, cb * self.col_vectors + idx % self.col_vectors, st1 + e
 
     def _store_initial(self, gKVs, gSs, entry, gc):
         """The initial state of a slot entry's column vector gc: value 0, logit -inf (the
@@ -176,16 +178,16 @@ class StreamingExtend(StreamingKernel):
         entry, or the initial state before position 0); other entries stay. Per coff-half,
         every thread loads its entries' sources, a barrier, then every thread stores (a
         moved entry's source is another entry of the slot)."""
-        R, W, VEC = self.r, self.w, self.vec
+        R, W, VEC = self.ratio, self.window, self.vec
         shift = (end // R - start // R) * R
-        st1 = (end // R - (self.co - 1)) * R
-        for h in cutlass.range_constexpr(self.co):
+        st1 = (end // R - (self.coff - 1)) * R
+        for h in cutlass.range_constexpr(self.coff):
             rK = cute.make_rmem_tensor((VEC, self.loads), self.dtype)
             rF = cute.make_rmem_tensor((VEC, self.loads), Float32)
             for r in cutlass.range_constexpr(self.loads):
                 e, colc, pos = self._slot_entry(r, tid, cb, st1)
-                if e < W and colc < self.ncv and pos < end:
-                    gc = h * self.ncv + colc
+                if e < W and colc < self.half_vectors and pos < end:
+                    gc = h * self.half_vectors + colc
                     if pos >= start:
                         t = tok0 + (pos - start)
                         rK[None, r].store(gKV[(None, (t, gc))].load())
@@ -198,9 +200,9 @@ class StreamingExtend(StreamingKernel):
             cute.arch.barrier()
             for r in cutlass.range_constexpr(self.loads):
                 e, colc, pos = self._slot_entry(r, tid, cb, st1)
-                if e < W and colc < self.ncv and pos < end:
+                if e < W and colc < self.half_vectors and pos < end:
                     dst = slot * W + e
-                    gc = h * self.ncv + colc
+                    gc = h * self.half_vectors + colc
                     if pos >= start or (pos >= 0 and shift != 0):
                         gKVs[(None, (dst, gc))].store(rK[None, r].load())
                         gSs[(None, (dst, gc))].store(rF[None, r].load())
@@ -211,11 +213,12 @@ class StreamingExtend(StreamingKernel):
     def _quiet_piece(self, u, tok0, start, st1, cb):
         """(slot entry, token, state column, column vector, ape entry) of piece u of a quiet
         update: the pieces run over the new tokens' (column vector, coff-half) pairs."""
-        per_entry = self.cv * self.co
+        per_entry = self.col_vectors * self.coff
         e = start - st1 + u // per_entry
-        h = (u // self.cv) % self.co
-        colc = cb * self.cv + u % self.cv
-        return e, tok0 + (st1 + e - start), h * self.ncv + colc, colc, h * self.r + e % self.r
+        h = (u // self.col_vectors) % self.coff
+        colc = cb * self.col_vectors + u % self.col_vectors
+        return (e, tok0 + (st1 + e - start), h * self.half_vectors + colc, colc,
+                h * self.ratio + e % self.ratio)
 
     @cute.jit
     def _quiet_update(self, gApe, gKV, gSc, gKVs, gSs, tok0, start, end, slot, lane, cb):
@@ -226,29 +229,29 @@ class StreamingExtend(StreamingKernel):
         and, for coff 2 before the first block completes, the initial state at negative
         positions; other entries stay. QUIET_UNROLL pieces load before any stores, so a
         longer request's loads overlap."""
-        R, W, CV, L, U = self.r, self.w, self.cv, self.quiet_lanes, QUIET_UNROLL
-        st1 = (end // R - (self.co - 1)) * R
-        per_entry = CV * self.co  # (column vector, coff-half) pairs of one entry
+        R, W, CV, L, U = self.ratio, self.window, self.col_vectors, self.quiet_lanes, QUIET_UNROLL
+        st1 = (end // R - (self.coff - 1)) * R
+        per_entry = CV * self.coff  # (column vector, coff-half) pairs of one entry
         pieces = (end - start) * per_entry
         for u0 in cutlass.range(lane, pieces, L * U, unroll=1):
             rK = cute.make_rmem_tensor((self.vec, U), self.dtype)
             rF = cute.make_rmem_tensor((self.vec, U), Float32)
             for i in cutlass.range_constexpr(U):
                 e, t, gc, colc, k = self._quiet_piece(u0 + i * L, tok0, start, st1, cb)
-                if u0 + i * L < pieces and colc < self.ncv:
+                if u0 + i * L < pieces and colc < self.half_vectors:
                     rK[None, i].store(gKV[(None, (t, gc))].load())
                     rF[None, i].store(self._new_logits(gSc, gApe, t, gc, k, colc).load())
             for i in cutlass.range_constexpr(U):
                 e, t, gc, colc, k = self._quiet_piece(u0 + i * L, tok0, start, st1, cb)
-                if u0 + i * L < pieces and colc < self.ncv:
+                if u0 + i * L < pieces and colc < self.half_vectors:
                     gKVs[(None, (slot * W + e, gc))].store(rK[None, i].load())
                     gSs[(None, (slot * W + e, gc))].store(rF[None, i].load())
-        if const_expr(self.co == 2):
+        if const_expr(self.coff == 2):
             for u in cutlass.range(lane, cutlass.min(cutlass.max(-st1, Int32(0)), Int32(W))
                                    * per_entry, L, unroll=1):
                 e = u // per_entry
-                gc = ((u // CV) % self.co) * self.ncv + cb * CV + u % CV
-                if cb * CV + u % CV < self.ncv:
+                gc = ((u // CV) % self.coff) * self.half_vectors + cb * CV + u % CV
+                if cb * CV + u % CV < self.half_vectors:
                     self._store_initial(gKVs, gSs, slot * W + e, gc)
 
     @cute.jit
@@ -263,7 +266,7 @@ class StreamingExtend(StreamingKernel):
             sBase[(b - rg) // groups] = first_row
         if const_expr(self.has_rows):
             n0, hi = self._rows_here(first_row, rows_b, rg - num_reqs, groups, num_rows)
-            heads = requests.head_rows(rows_b, self.co)
+            heads = requests.head_rows(rows_b, self.coff)
             for n in cutlass.range(n0, hi, groups, unroll=1):
                 j = (num_reqs + n - rg) // groups
                 if j < ni:
@@ -278,19 +281,21 @@ class StreamingExtend(StreamingKernel):
                       gKVs: cute.Tensor, gSs: cute.Tensor, gOut: cute.Tensor, mCuc: cute.Tensor,
                       num_tokens: Int32, num_rows: Int32, num_reqs: Int32, num_slots: Int32,
                       groups: Int32):
-        CV = self.cv
+        CV = self.col_vectors
         cm.await_upstream(self.pdl)
-        tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
+        thr = self._coordinates()
+        tid, bid, cb, rg = thr.tid, thr.bid, thr.cb, thr.rg
 
         smem = cutlass.memory.SmemAllocator()
         # The forward's tile layout, kv in slot 1; the score slot aliases it (stride 0): the
         # logits live in sLg, and the smem saved lets more CTAs share an SM.
-        tile = (self.vec, CV, self.wpad, 2, 1)
+        tile = (self.vec, CV, self.window_padded, 2, 1)
         sTile = smem.allocate_tensor(self.dtype, cute.make_layout(
             tile, stride=(1, self.vec, self.vec * CV, 0, 0)), 128)
-        sLg = smem.allocate_tensor(Float32, cute.make_layout((self.vec, CV, self.wpad)), 16)
+        sLg = smem.allocate_tensor(Float32,
+                                   cute.make_layout((self.vec, CV, self.window_padded)), 16)
         sRed = smem.allocate_tensor(
-            Float32, cute.make_layout((self.vec, self.wpc, CV, RED_KINDS)), 16)
+            Float32, cute.make_layout((self.vec, self.warps_per_col, CV, RED_KINDS)), 16)
         sItem = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
@@ -304,7 +309,7 @@ class StreamingExtend(StreamingKernel):
         ni = Int32(0)
         if rg < items:
             ni = cutlass.min((items - rg + groups - 1) // groups, MAX_ROWS)
-        for j in cutlass.range(tid, ni, self.nt, unroll=1):
+        for j in cutlass.range(tid, ni, self.threads, unroll=1):
             sItem[j] = Int32(NO_REQUEST)
         # The scan's first row counts load first, then the thread's first item (its
         # subwarp's, or the CTA's only one) loads its request, in flight with them rather
@@ -327,7 +332,7 @@ class StreamingExtend(StreamingKernel):
 
         tiles = (sTile, sLg, gApe, sRed, self._scratch(smem, sRed), gKV, gSc, gKVs, gSs, gOut)
         work = (tiles, sItem, sBase, mCu, mStart, mSlots, rg, groups, num_tokens, num_rows,
-                num_reqs, num_slots, tid, lane, cvw, wp, cb)
+                num_reqs, num_slots, thr)
         pending = ni  # a CTA of one item (a prefill's usual CTA) runs it: no subwarps, no list
         if ni > 1:
             # Items a subwarp does, all of the CTA's at once: requests that complete no
@@ -335,7 +340,7 @@ class StreamingExtend(StreamingKernel):
             # and rows that no request holds (zeros). The items left need the whole CTA,
             # one at a time: a decode step's CTA lists at most a few among many.
             L = self.quiet_lanes
-            for j in cutlass.range(tid // L, ni, self.nt // L, unroll=1):
+            for j in cutlass.range(tid // L, ni, self.threads // L, unroll=1):
                 item = rg + j * groups
                 if item < num_reqs:
                     ok, tok0, start, length, slot, rows = self._request_of(
@@ -374,7 +379,8 @@ class StreamingExtend(StreamingKernel):
         # starts only once every part-1 CTA has passed its wait, so the grids before the
         # call are complete.
         cm.release_dependents(self.pdl)
-        tid, bid, cb, rg, lane, cvw, wp = self._coordinates()
+        thr = self._coordinates()
+        tid, bid, rg, lane = thr.tid, thr.bid, thr.rg, thr.lane
         smem = cutlass.memory.SmemAllocator()
         tables = self._row_tables(smem)
         _, _, _, sT0, sFl, _ = tables
@@ -387,8 +393,8 @@ class StreamingExtend(StreamingKernel):
             sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.batch.warps), 16)
             nr = self._place_by_scan(sT0, sFl, rg, groups, mCu, mStart, mSlots, num_tokens,
                                      num_rows, num_reqs, num_slots, tid, sWarp)
-        self._pipeline(nr, tables, gKV, gSc, gApe, gOut, gOut, gOut, gOut, None, tid, lane,
-                       cvw, wp, cb, rg, groups, num_tokens, True, sRow)
+        self._pipeline(nr, tables, RowTensors(gKV, gSc, gApe, gOut, gOut, gOut, gOut), None, thr,
+                       groups, num_tokens, True, sRow)
         cm.complete_after_upstream(self.pdl, bid)
 
     @cute.jit
@@ -398,7 +404,7 @@ class StreamingExtend(StreamingKernel):
         request's rows that are this CTA's. Returns the CTA's row count."""
         held = self.batch.run_counts(mCu, mStart, num_reqs, tid)
         nr = self._rows_owned(rg, num_rows, groups)
-        for j in cutlass.range(tid, nr, self.nt, unroll=1):
+        for j in cutlass.range(tid, nr, self.threads, unroll=1):
             sFl[j] = Int32(0)  # zeros, unless a request holds the row
         # The scan's barrier publishes sFl before the placement below overwrites any.
         b_lo, b_hi, running, _ = self.batch.scan(mCu, mStart, num_reqs, tid, sWarp, held)
@@ -435,7 +441,7 @@ class StreamingExtend(StreamingKernel):
         held = self.batch.hold_in_lanes(mCu, mStart, mSlots, num_reqs, num_tokens, num_slots,
                                         lane)
         ok, tok0, start, rows, before, total = held
-        heads = requests.head_rows(rows, self.co)
+        heads = requests.head_rows(rows, self.coff)
         heads_before = requests.warp_prefix(heads, lane) - heads  # at most 64: exact
         # Each lane's places: the first and how many (its rows past the heads). lane_first
         # is nondecreasing up to the lanes whose offsets saturated (requests.add_rows), and
@@ -449,7 +455,7 @@ class StreamingExtend(StreamingKernel):
         places = num_rows - cute.arch.shuffle_sync(requests.warp_prefix(heads_kept, lane), 31)
         request_places = total - cute.arch.shuffle_sync(heads_before + heads, 31)
         nr = self._rows_owned(rg, places, groups)
-        for j0 in cutlass.range(0, nr, self.nt, unroll=1):  # warp-uniform: shuffles inside
+        for j0 in cutlass.range(0, nr, self.threads, unroll=1):  # warp-uniform: shuffles inside
             j = j0 + tid
             place = rg + j * groups
             at = requests.lane_at(place, lane_first)
@@ -483,12 +489,12 @@ class StreamingExtend(StreamingKernel):
         that it can never be set on a window that is not."""
         t0 = Int32(0)
         fl = Int32(RowFlag.SKIP)
-        if h >= requests.head_rows(rows_b, self.co):
+        if h >= requests.head_rows(rows_b, self.coff):
             fl = Int32(0)
             if ok:
-                q = start // self.r + h
-                t0 = tok0 + ((q - (self.co - 1)) * self.r - start)
-                full = Int32(t0 >= 0 and t0 + self.w <= num_tokens)
+                q = start // self.ratio + h
+                t0 = tok0 + ((q - (self.coff - 1)) * self.ratio - start)
+                full = Int32(t0 >= 0 and t0 + self.window <= num_tokens)
                 fl = (RowFlag.REAL | RowFlag.PREVIOUS) + full * RowFlag.FULL
         return t0, fl
 
@@ -515,12 +521,13 @@ class StreamingExtend(StreamingKernel):
 
     @cute.jit
     def _run_item(self, j, tiles, sItem, sBase, mCu, mStart, mSlots, rg, groups, num_tokens,
-                  num_rows, num_reqs, num_slots, tid, lane, cvw, wp, cb):
+                  num_rows, num_reqs, num_slots, thr):
         """The CTA's item j by the whole CTA, whatever its kind: a request pools its first
         min(rows, coff) rows (zeros if it is not ok) and updates its slot; a row past its
         request's heads pools (or zeros); padding is zeroed; a head row (ITEM_DONE) is its
         request's."""
-        R, C = self.r, self.co
+        tid, cb = thr.tid, thr.cb
+        R, C = self.ratio, self.coff
         _, _, gApe, _, _, gKV, gSc, gKVs, gSs, gOut = tiles
         item = rg + j * groups
         if item < num_reqs:
@@ -531,10 +538,9 @@ class StreamingExtend(StreamingKernel):
                 n = base + h
                 if n >= 0 and n < num_rows:
                     if ok:
-                        self._pool(*tiles, n, start // R + h, tok0, start, slot, tid, lane,
-                                   cvw, wp, cb)
+                        self._pool(*tiles, n, start // R + h, tok0, start, slot, thr)
                     else:
-                        self._zero_row(gOut, n, lane, cvw, wp, cb)
+                        self._zero_row(gOut, n, thr)
             keeps = ok
             if const_expr(C == 1):  # a request that ends on a block boundary keeps no entry
                 keeps = ok and (start + length) % R != 0
@@ -549,12 +555,11 @@ class StreamingExtend(StreamingKernel):
                     mCu, mStart, mSlots, b, num_tokens, num_slots)
                 h = n - sBase[j]
                 if ok and h < rows:
-                    self._pool(*tiles, n, start // R + h, tok0, start, slot, tid, lane, cvw,
-                               wp, cb)
+                    self._pool(*tiles, n, start // R + h, tok0, start, slot, thr)
                 else:
-                    self._zero_row(gOut, n, lane, cvw, wp, cb)
+                    self._zero_row(gOut, n, thr)
             elif b == NO_REQUEST:  # padding, or a row no request covers
-                self._zero_row(gOut, n, lane, cvw, wp, cb)
+                self._zero_row(gOut, n, thr)
 
     @cute.jit
     def __call__(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
@@ -562,25 +567,25 @@ class StreamingExtend(StreamingKernel):
                  p_kvs: cute.Pointer, p_ss: cute.Pointer, p_out: cute.Pointer,
                  p_cuc: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_reqs: Int32,
                  num_slots: Int32, grid: Int32, stream):
-        width = self.co * self.d
+        width = self.coff * self.head_dim
         gApe = cute.zipped_divide(
-            cute.make_tensor(p_ape, cute.make_layout((self.r, width), stride=(width, 1))),
-            (1, self.av))
+            cute.make_tensor(p_ape, cute.make_layout((self.ratio, width), stride=(width, 1))),
+            (1, self.ape_vec))
         gKV, gSc = self._rows(p_kv, num_tokens, width), self._rows(p_score, num_tokens, width)
         mCu, mStart, mSlots, mCuc = [cute.make_tensor(p, cute.make_layout(num_reqs + 1))
                                      for p in (p_cu, p_starts, p_slots, p_cuc)]
-        gOut = self._rows(p_out, num_rows, self.d)
+        gOut = self._rows(p_out, num_rows, self.head_dim)
         if const_expr(self.part == Part.ROWS):
             launched = self.rows_kernel(gKV, gSc, gApe, mCu, mStart, mSlots, gOut, num_tokens,
-                                        num_rows, num_reqs, num_slots, grid // self.cb)
+                                        num_rows, num_reqs, num_slots, grid // self.col_blocks)
         else:
-            entries = num_slots * self.w
+            entries = num_slots * self.window
             gSs = cute.zipped_divide(
                 cute.make_tensor(p_ss, cute.make_layout((entries, width), stride=(width, 1))),
                 (1, self.vec))
             launched = self.extend_kernel(
                 gKV, gSc, gApe, mCu, mStart, mSlots, self._rows(p_kvs, entries, width), gSs,
-                gOut, mCuc, num_tokens, num_rows, num_reqs, num_slots, grid // self.cb)
-        launched.launch(grid=(grid, 1, 1), block=(self.nt, 1, 1), stream=stream,
+                gOut, mCuc, num_tokens, num_rows, num_reqs, num_slots, grid // self.col_blocks)
+        launched.launch(grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream,
                         min_blocks_per_mp=self.ctas, preferred_smem_carveout=100,
                         use_pdl=self.pdl)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import NamedTuple
 
 import cutlass
 from cutlass import Float32, Int32, Int64, const_expr, cute
@@ -50,39 +51,67 @@ def flat(t: cute.Tensor, n: int, h: int = 0) -> cute.Tensor:
     return cute.make_tensor(t.iterator + h * n if h else t.iterator, cute.make_layout(n))
 
 
+class Thread(NamedTuple):
+    """A thread's coordinates in a streaming CTA: thread and block index, its column block
+    and row group, its lane, its warp's column vector (cvw) and that warp's index among the
+    warps of the vector (wp)."""
+
+    tid: Int32
+    bid: Int32
+    cb: Int32
+    rg: Int32
+    lane: Int32
+    cvw: Int32
+    wp: Int32
+
+
+class RowTensors(NamedTuple):
+    """The global tensors a row reads and writes: the window's kv and score, ape, grad_out
+    (the backward's; the forward passes its output), the output rows, grad_kv, grad_score."""
+
+    kv: cute.Tensor
+    score: cute.Tensor
+    ape: cute.Tensor
+    grad_out: cute.Tensor
+    out: cute.Tensor
+    grad_kv: cute.Tensor
+    grad_score: cute.Tensor
+
+
 class StreamingKernel:
     """One compiled configuration; every attribute is a compile-time constant."""
 
     def __init__(self, key: KernelKey, backward: bool):
         k = key.knobs
         self.dtype = cm.dsl_type(key.dtype)
-        self.d, self.r, self.co = key.head_dim, key.ratio, key.coff
-        self.w = self.r * self.co
-        self.vec, self.nt = k.vec, k.threads
-        self.cv, self.wpc, self.kt = k.cv, k.wpc, k.kt
-        self.wpad = 32 * self.kt * self.wpc
+        self.head_dim, self.ratio, self.coff = key.head_dim, key.ratio, key.coff
+        self.window = self.ratio * self.coff
+        self.vec, self.threads = k.vec, k.threads
+        self.col_vectors, self.warps_per_col, self.entries_per_lane = k.cv, k.wpc, k.kt
+        self.window_padded = 32 * self.entries_per_lane * self.warps_per_col
         self.stages, self.ctas = k.stages, k.ctas
         self.fast_exp, self.pdl = k.fast_exp, k.pdl
         # lean: rows whose whole window exists skip the per-entry masks (same results).
-        self.lean = k.lean and self.wpad == self.w
+        self.lean = k.lean and self.window_padded == self.window
         self.bwd = backward
-        self.ncv = self.d // self.vec  # column vectors per coff-half
-        self.cb = -(-self.ncv // self.cv)
-        self.av = min(4, self.vec)  # fp32 ape access (16 bytes at most)
-        self.ah = self.vec // self.av
-        self.lv = int(math.log2(self.vec))
-        self.lpc = 32 // self.vec  # lanes that end up holding one column's reduction
-        self.loads = -(-self.w * self.cv // self.nt)  # tile vectors per thread per tensor
+        self.half_vectors = self.head_dim // self.vec  # column vectors per coff-half
+        self.col_blocks = -(-self.half_vectors // self.col_vectors)
+        self.ape_vec = min(4, self.vec)  # fp32 ape access (16 bytes at most)
+        self.ape_chunks = self.vec // self.ape_vec
+        self.log_vec = int(math.log2(self.vec))
+        self.lanes_per_col = 32 // self.vec  # lanes that end up holding one column's reduction
+        # Tile vectors per thread per tensor.
+        self.loads = -(-self.window * self.col_vectors // self.threads)
         # Tile rows are cv 16-byte chunks; xor-swizzle the chunk by the row so the 32 rows a
         # warp reads at one column vector fall in distinct banks.
-        self.rpl = max(1, 128 // (self.cv * self.vec * 2))
+        self.rows_per_swizzle = max(1, 128 // (self.col_vectors * self.vec * 2))
         # e is kept as exp(l - m) * 2**-shift: sum(e * v) then cannot overflow before max|v|.
-        self.shift = softmax.exponent_shift(self.w)
+        self.shift = softmax.exponent_shift(self.window)
         self.async_copy = self.vec * 2 >= 4  # cp.async moves 4, 8 or 16 bytes
         self.parity = 0 if backward else k.parity
         if self.parity:  # the exact columns' order, and the certificate that calls them
-            self.soft_chains = torch_order.softmax_chains(self.w, self.d)
-            self.sum_split = torch_order.sum_split(self.w, self.d)
+            self.soft_chains = torch_order.softmax_chains(self.window, self.head_dim)
+            self.sum_split = torch_order.sum_split(self.window, self.head_dim)
             self._certificate(key)
 
     def _certificate(self, key: KernelKey) -> None:
@@ -105,9 +134,9 @@ class StreamingKernel:
         that (2**(p+1)) and 1.25 more for the second order: that margin also covers the
         gradual underflow of products e v below 2**-126 (at most W**2 2**-150 / s, under
         the smallest bf16 step). NaN and infinities fail the test."""
-        w, u, d0 = self.w, 2.0**-24, 4.0
-        depth_fast = self.kt + 4 + self.wpc
-        c_s = (14 + math.log(2) * self.shift + depth_fast + torch_order.sum_depth(w, self.d)
+        w, u, d0 = self.window, 2.0**-24, 4.0
+        depth_fast = self.entries_per_lane + 4 + self.warps_per_col
+        c_s = (14 + math.log(2) * self.shift + depth_fast + torch_order.sum_depth(w, self.head_dim)
                + 3 * d0)
         c_o = w + depth_fast + 16 + 3 * math.log(w) + 0.7 * self.shift
         scale = 1.25 * 2.0 ** (TYPES[key.dtype].precision + 1)
@@ -119,7 +148,7 @@ class StreamingKernel:
 
     # ---------------------------------------------------------------- small helpers
     def _phys(self, cv, k):
-        return cv ^ ((k // self.rpl) % self.cv)
+        return cv ^ ((k // self.rows_per_swizzle) % self.col_vectors)
 
     @cute.jit
     def _load_f32(self, src):
@@ -170,7 +199,7 @@ class StreamingKernel:
     @cute.jit
     def _gather(self, x):
         """Inverse of _scatter's layout: every lane gets all vec columns."""
-        return [cute.arch.shuffle_sync(x, offset=v << (5 - self.lv)) for v in range(self.vec)]
+        return [cute.arch.shuffle_sync(x, offset=v << (5 - self.log_vec)) for v in range(self.vec)]
 
     @cute.jit
     def _cross(self, x, sRed, kind, lane, cvw, wp, col, is_max):
@@ -181,14 +210,14 @@ class StreamingKernel:
     def _cross_all(self, xs, sRed, kind, lane, cvw, wp, col, is_max):
         """_cross of several values (kinds kind, kind + 1, ...) behind one barrier."""
         res = list(xs)
-        if const_expr(self.wpc > 1):
-            if lane % self.lpc == 0:
+        if const_expr(self.warps_per_col > 1):
+            if lane % self.lanes_per_col == 0:
                 for i in cutlass.range_constexpr(len(xs)):
                     sRed[col, wp, cvw, kind + i] = xs[i]
             cute.arch.barrier()
             for i in cutlass.range_constexpr(len(xs)):
                 r = sRed[col, 0, cvw, kind + i]
-                for w in cutlass.range_constexpr(1, self.wpc):
+                for w in cutlass.range_constexpr(1, self.warps_per_col):
                     r = self._op(r, sRed[col, w, cvw, kind + i], is_max)
                 res[i] = r
         return res
@@ -201,7 +230,8 @@ class StreamingKernel:
         vector, where a warp lays out a column's terms for its chains' lanes."""
         if not self.parity:
             return placeholder
-        return smem.allocate_tensor(Float32, cute.make_layout((self.wpad, self.cv)), 16)
+        return smem.allocate_tensor(
+            Float32, cute.make_layout((self.window_padded, self.col_vectors)), 16)
 
     @cute.jit
     def _row_info(self, n, mCu, mCuc, num_tokens, num_segs):
@@ -225,10 +255,10 @@ class StreamingKernel:
                 hi = mid
         # lo == num_segs only when n >= cuc[-1] (not a real row) for sorted offsets.
         block = n - c_lo
-        t0 = Int64(u_lo) + Int64(block) * self.r - (self.co - 1) * self.r
-        t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-self.w - 1))
+        t0 = Int64(u_lo) + Int64(block) * self.ratio - (self.coff - 1) * self.ratio
+        t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-self.window - 1))
         real = n < mCuc[num_segs] and num_segs > 0
-        full = real and t0 >= 0 and t0 + self.w <= num_tokens and (self.co == 1 or block > 0)
+        full = real and t0 >= 0 and t0 + self.window <= num_tokens and (self.coff == 1 or block > 0)
         fl = (Int32(real) * RowFlag.REAL + Int32(block > 0) * RowFlag.PREVIOUS
               + Int32(full) * RowFlag.FULL)
         return Int32(t0), fl
@@ -238,9 +268,9 @@ class StreamingKernel:
         """Entry k of a row exists: inside the window and the token range, and for coff 2 a
         first-half entry needs a previous block in the segment (flag bit 1)."""
         tk = t0 + k
-        ok = k < self.w and tk >= 0 and tk < num_tokens
-        if const_expr(self.co == 2):
-            ok = ok and ((fl & RowFlag.PREVIOUS) != 0 or k >= self.r)
+        ok = k < self.window and tk >= 0 and tk < num_tokens
+        if const_expr(self.coff == 2):
+            ok = ok and ((fl & RowFlag.PREVIOUS) != 0 or k >= self.ratio)
         return ok
 
     @cute.jit
@@ -248,23 +278,21 @@ class StreamingKernel:
         """Zero this block's columns of tokens [ta, tb), coff-half `half`, in gA and gB."""
         zero = cute.make_rmem_tensor((self.vec,), self.dtype)
         zero.fill(0.0)
-        for idx in cutlass.range(tid, (tb - ta) * self.cv, self.nt, unroll=1):
-            c = cb * self.cv + idx % self.cv
-            if c < self.ncv:
-                t = ta + idx // self.cv
-                gA[(None, (t, half * self.ncv + c))].store(zero.load())
-                gB[(None, (t, half * self.ncv + c))].store(zero.load())
+        for idx in cutlass.range(tid, (tb - ta) * self.col_vectors, self.threads, unroll=1):
+            c = cb * self.col_vectors + idx % self.col_vectors
+            if c < self.half_vectors:
+                t = ta + idx // self.col_vectors
+                gA[(None, (t, half * self.half_vectors + c))].store(zero.load())
+                gB[(None, (t, half * self.half_vectors + c))].store(zero.load())
 
-    def _coordinates(self):
-        """(tid, bid, column block, row group, lane, the warp's column vector, its warp
-        index among the warps of that vector) of this thread."""
+    def _coordinates(self) -> Thread:
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        cb = bid % self.cb
-        rg = bid // self.cb
+        cb = bid % self.col_blocks
+        rg = bid // self.col_blocks
         lane = tid % 32
         warp = tid // 32
-        return tid, bid, cb, rg, lane, warp % self.cv, warp // self.cv
+        return Thread(tid, bid, cb, rg, lane, warp % self.col_vectors, warp // self.col_vectors)
 
     # ---------------------------------------------------------------- the kernel
     @cute.kernel
@@ -273,7 +301,8 @@ class StreamingKernel:
                gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32, groups: Int32):
         cm.await_upstream(self.pdl)
-        tid, _, cb, rg, lane, cvw, wp = self._coordinates()
+        thr = self._coordinates()
+        tid, rg = thr.tid, thr.rg
         smem = cutlass.memory.SmemAllocator()
         tables = self._row_tables(smem)
         _, _, _, sT0, sFl, _ = tables
@@ -281,16 +310,16 @@ class StreamingKernel:
         # Row table: first window token and flags (bit 0: real row, bit 1: has a previous
         # block) of each row this CTA owns; one binary search per row, all rows in parallel.
         nr = self._rows_owned(rg, num_rows, groups)
-        for j in cutlass.range(tid, nr, self.nt, unroll=1):
+        for j in cutlass.range(tid, nr, self.threads, unroll=1):
             t0, fl = self._row_info(rg + j * groups, mCu, mCuc, num_tokens, num_segs)
             sT0[j] = t0
             sFl[j] = fl
-        gacc = cute.make_rmem_tensor((self.kt * self.vec,), Float32)
+        gacc = cute.make_rmem_tensor((self.entries_per_lane * self.vec,), Float32)
         gacc.fill(0.0)
-        self._pipeline(nr, tables, gKV, gSc, gApe, gGo, gOut, gGkv, gGsc, gacc, tid, lane, cvw,
-                       wp, cb, rg, groups, num_tokens, False)
+        self._pipeline(nr, tables, RowTensors(gKV, gSc, gApe, gGo, gOut, gGkv, gGsc), gacc, thr,
+                       groups, num_tokens, False)
         if const_expr(self.bwd):
-            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
+            self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, thr,
                            num_tokens, num_rows, num_segs, groups)
 
     def _row_tables(self, smem):
@@ -298,13 +327,13 @@ class StreamingKernel:
         (score in slot 0, kv in slot 1), the CTA's ape tile, the cross-warp partials, the
         row table (first window token, flags) and sG: grad_out rows (backward) or the exact
         columns' scratch (forward)."""
-        VEC, CV, S = self.vec, self.cv, self.stages
-        sTile = smem.allocate_tensor(self.dtype, cute.make_layout((VEC, CV, self.wpad, 2, S)),
-                                     128)
+        VEC, CV, S = self.vec, self.col_vectors, self.stages
+        sTile = smem.allocate_tensor(
+            self.dtype, cute.make_layout((VEC, CV, self.window_padded, 2, S)), 128)
         sApe = smem.allocate_tensor(
-            Float32, cute.make_layout((self.av, self.wpad, self.ah, CV)), 16)
-        sRed = smem.allocate_tensor(Float32, cute.make_layout((VEC, self.wpc, CV, RED_KINDS)),
-                                    16)
+            Float32, cute.make_layout((self.ape_vec, self.window_padded, self.ape_chunks, CV)), 16)
+        sRed = smem.allocate_tensor(
+            Float32, cute.make_layout((VEC, self.warps_per_col, CV, RED_KINDS)), 16)
         sT0 = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sFl = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), 16)
         sG = self._scratch(smem, sRed)
@@ -321,15 +350,17 @@ class StreamingKernel:
         return nr
 
     @cute.jit
-    def _pipeline(self, nr, tables, gKV, gSc, gApe, gGo, gOut, gGkv, gGsc, gacc, tid, lane, cvw,
-                  wp, cb, rg, groups, num_tokens, skips, sRow=None):
+    def _pipeline(self, nr, tables, rows: RowTensors, gacc, thr, groups, num_tokens, skips,
+                  sRow=None):
         """The CTA's rows j < nr (row rg + j * groups, or sRow[j] where given; window from
         token sT0[j], flags sFl[j]): tiles `stages - 1` rows ahead by cp.async, ape staged
         while the first are in flight, then each row pooled (or its gradient) once its tile
         lands. Rows that are not real get zeros (forward), except, where `skips`, those
         flagged RowFlag.SKIP (another launch writes them, or no row). Starts with the barrier
         that publishes the row table."""
-        VEC, CV, S = self.vec, self.cv, self.stages
+        gKV, gSc, gApe, gGo, gOut, gGkv, gGsc = rows
+        tid, lane, cvw, wp, cb, rg = thr.tid, thr.lane, thr.cvw, thr.wp, thr.cb, thr.rg
+        VEC, CV, S = self.vec, self.col_vectors, self.stages
         sTile, sApe, sRed, sT0, sFl, sG = tables
         atom = self._g2s_atom(self.dtype, VEC)
         cute.arch.barrier()
@@ -354,8 +385,7 @@ class StreamingKernel:
             fl = sFl[j]
             if (fl & RowFlag.REAL) != 0:
                 args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S,
-                        self._table_row(sRow, rg, j, groups), sT0[j], fl, num_tokens, tid,
-                        lane, cvw, wp, cb)
+                        self._table_row(sRow, rg, j, groups), sT0[j], fl, num_tokens, thr)
                 if const_expr(self.lean):
                     if (fl & RowFlag.FULL) != 0:
                         self._row(*args, False)
@@ -377,32 +407,33 @@ class StreamingKernel:
     @cute.jit
     def _zero_vector(self, gOut, n, colc):
         """Zeros in column vector colc of output row n (none past the row)."""
-        if colc < self.ncv:
+        if colc < self.half_vectors:
             self._store(gOut[(None, (n, colc))], [Float32(0.0)] * self.vec)
 
     @cute.jit
-    def _zero_row(self, gOut, n, lane, cvw, wp, cb):
+    def _zero_row(self, gOut, n, thr):
         """Row n's zeros in this CTA's columns, by the whole CTA (a lane per column vector)."""
+        lane, cvw, wp, cb = thr.lane, thr.cvw, thr.wp, thr.cb
         if lane == 0 and wp == 0:
-            self._zero_vector(gOut, n, cb * self.cv + cvw)
+            self._zero_vector(gOut, n, cb * self.col_vectors + cvw)
 
     def _ape_chunk(self, half, colc, h):
         """gApe's column of chunk h (av fp32 values) of column vector colc in coff-half
         `half`."""
-        return ((half * self.ncv + colc) * self.vec) // self.av + h
+        return ((half * self.half_vectors + colc) * self.vec) // self.ape_vec + h
 
     @cute.jit
     def _stage_ape(self, gApe, sApe, tid, cb):
         """The CTA's ape tile: entry k (ape row k % ratio, coff-half k // ratio) of each of
         its column vectors, fp32, in av-wide chunks."""
-        CV, R = self.cv, self.r
-        for r in cutlass.range_constexpr(self.kt * self.ah):
-            q = tid + self.nt * r
-            k = q // (CV * self.ah)
-            c = (q // self.ah) % CV
-            h = q % self.ah
+        CV, R = self.col_vectors, self.ratio
+        for r in cutlass.range_constexpr(self.entries_per_lane * self.ape_chunks):
+            q = tid + self.threads * r
+            k = q // (CV * self.ape_chunks)
+            c = (q // self.ape_chunks) % CV
+            h = q % self.ape_chunks
             colc = cb * CV + c
-            if k < self.w and colc < self.ncv:
+            if k < self.window and colc < self.half_vectors:
                 half = k // R
                 sApe[(None, k, h, c)].store(
                     gApe[(None, (k - half * R, self._ape_chunk(half, colc, h)))].load())
@@ -420,8 +451,8 @@ class StreamingKernel:
 
             self._tile_entries(tid, cb, t0, fl, num_tokens, load)
             if const_expr(self.bwd):  # noqa: SIM102 (compile-time, then run-time test)
-                if tid < self.cv and cb * self.cv + tid < self.ncv:
-                    self._copy(atom, gGo[(None, (rg + j * groups, cb * self.cv + tid))],
+                if tid < self.col_vectors and cb * self.col_vectors + tid < self.half_vectors:
+                    self._copy(atom, gGo[(None, (rg + j * groups, cb * self.col_vectors + tid))],
                                sG[(None, tid, st)])
 
     @cute.jit
@@ -430,12 +461,12 @@ class StreamingKernel:
         row (t0, fl) that this thread moves between global memory and the tile: consecutive
         threads, consecutive column vectors (coalesced)."""
         for r in cutlass.range_constexpr(self.loads):
-            q = tid + self.nt * r
-            k = q // self.cv
-            c = q % self.cv
-            colc = cb * self.cv + c
-            if colc < self.ncv and self._entry_ok(k, t0, fl, num_tokens):
-                body(t0 + k, (k // self.r) * self.ncv + colc, k, self._phys(c, k))
+            q = tid + self.threads * r
+            k = q // self.col_vectors
+            c = q % self.col_vectors
+            colc = cb * self.col_vectors + c
+            if colc < self.half_vectors and self._entry_ok(k, t0, fl, num_tokens):
+                body(t0 + k, (k // self.ratio) * self.half_vectors + colc, k, self._phys(c, k))
 
     def _g2s_atom(self, dtype, elems: int):
         """cp.async of `elems` elements of `dtype` (16-byte copies bypass L1)."""
@@ -455,8 +486,8 @@ class StreamingKernel:
     def _ape(self, sApe, k, c):
         """Entry k's ape over column vector c, fp32 (row k % ratio, coff-half k // ratio)."""
         ap = cute.make_rmem_tensor((self.vec,), Float32)
-        for h in range(self.ah):  # trace-time loop (not a cute.jit function)
-            flat(ap, self.av, h).store(sApe[(None, k, h, c)].load())
+        for h in range(self.ape_chunks):  # trace-time loop (not a cute.jit function)
+            flat(ap, self.ape_vec, h).store(sApe[(None, k, h, c)].load())
         return ap
 
     def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
@@ -473,19 +504,20 @@ class StreamingKernel:
 
     @cute.jit
     def _row(self, sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, st, n, t0, fl, num_tokens,
-             tid, lane, cvw, wp, cb, masked, sLg=None):
+             thr, masked, sLg=None):
         """Softmax pooling (forward) or its gradient (backward) of one row's column block.
 
         Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e and a = sum e * v
         (forward: out = a / s) or a = sum e * (g * v) (backward: dot = a / s); backward pass 3:
         p = e / s, grad_v = p * g, grad_l = p * (g * v - dot), as the reference."""
-        VEC, KT = self.vec, self.kt
+        tid, lane, cvw, wp, cb = thr.tid, thr.lane, thr.cvw, thr.wp, thr.cb
+        VEC, KT = self.vec, self.entries_per_lane
         kk = [(wp * KT + i) * 32 + lane for i in range(KT)]
         ok = [True] * KT
         if const_expr(masked):
             ok = [self._entry_ok(kk[i], t0, fl, num_tokens) for i in range(KT)]
         ph = [self._phys(cvw, kk[i]) for i in range(KT)]
-        col = (lane >> (5 - self.lv)) % VEC
+        col = (lane >> (5 - self.log_vec)) % VEC
         ninf = Float32(-math.inf)
         zero = Float32(0.0)
         lg = cute.make_rmem_tensor((KT * VEC,), Float32)
@@ -532,8 +564,8 @@ class StreamingKernel:
                 x = self._pick(ok[i], kv[v], zero)
                 if const_expr(self.bwd):
                     x = g[v] * x  # the reference's g * v (its overflow pattern included)
-                if const_expr(self.wpad > self.w):
-                    x = cutlass.select_(kk[i] < self.w, x, zero)
+                if const_expr(self.window_padded > self.window):
+                    x = cutlass.select_(kk[i] < self.window, x, zero)
                 aloc[v] = aloc[v] + e * x
                 if const_expr(cert):
                     mag[v] = mag[v] + e * cute.math.absf(x)
@@ -544,14 +576,14 @@ class StreamingKernel:
         sums = self._cross_all([self._scatter(t, lane, False) for t in sums], sRed, 1, lane,
                                cvw, wp, col, False)
         s_c, a_c = sums[0], sums[1]
-        colw = cb * self.cv + cvw
+        colw = cb * self.col_vectors + cvw
         if const_expr(not self.bwd):
             out = cute.make_rmem_tensor((VEC,), Float32)
             quotient = self._gather(a_c / s_c)
             for v in cutlass.range_constexpr(VEC):
                 out[v] = quotient[v]
             if const_expr(self.parity > 0):  # noqa: SIM102 (compile-time, then run-time test)
-                if wp == 0 and colw < self.ncv:
+                if wp == 0 and colw < self.half_vectors:
                     fails = Int32(1)
                     if const_expr(cert):
                         bound = self.cert_m * sums[2] + self.cert_v * sums[3]
@@ -559,7 +591,7 @@ class StreamingKernel:
                             bound < cute.math.absf(a_c) * self.cert_keep, Int32(0), Int32(1))
                     self._parity_columns(out, fails, self._gather(m_max), sTile, sApe, sLg, sG,
                                          st, t0, fl, num_tokens, lane, cvw, masked)
-            if lane == 0 and wp == 0 and colw < self.ncv:
+            if lane == 0 and wp == 0 and colw < self.half_vectors:
                 self._store(gOut[(None, (n, colw))], out)
         else:
             rs = self._gather(Float32(1.0) / s_c)
@@ -606,9 +638,9 @@ class StreamingKernel:
         sw = sScr[(None, cvw)]
         e = []
         kv = []
-        for i in cutlass.range_constexpr(self.wpad // 32):
+        for i in cutlass.range_constexpr(self.window_padded // 32):
             k = i * 32 + lane
-            ok = k < self.w
+            ok = k < self.window
             if const_expr(masked):
                 ok = self._entry_ok(k, t0, fl, num_tokens)
             ph = self._phys(cvw, k)
@@ -621,7 +653,7 @@ class StreamingKernel:
         cute.arch.sync_warp()
         s = self._tree(self._chains(sw, self.soft_chains, lane), self.soft_chains)
         cute.arch.sync_warp()  # every chain has read e
-        for i in cutlass.range_constexpr(self.wpad // 32):
+        for i in cutlass.range_constexpr(self.window_padded // 32):
             sw[i * 32 + lane] = cm.mul_rn(kv[i], cm.div_rn(e[i], s))
         cute.arch.sync_warp()
         split = self.sum_split
@@ -644,7 +676,7 @@ class StreamingKernel:
         stride i, i in order; k >= W adds +0, which leaves a sum of these terms unchanged).
         stride >= 32: lane j returns chains j + 32 q, q < stride / 32; below 32, lane j
         chain j % stride (every lane: the loads are broadcasts)."""
-        count = -(-self.w // stride)  # terms of chain 0, the longest
+        count = -(-self.window // stride)  # terms of chain 0, the longest
         acc = []
         for q in cutlass.range_constexpr(max(1, stride // 32)):
             c = lane + 32 * q
@@ -653,8 +685,8 @@ class StreamingKernel:
             total = Float32(0.0)
             for i in cutlass.range(count, unroll=32):
                 k = c + stride * i
-                term = sw[cutlass.min(k, self.wpad - 1)]
-                total = cm.add_rn(total, cutlass.select_(k < self.w, term, Float32(0.0)))
+                term = sw[cutlass.min(k, self.window_padded - 1)]
+                total = cm.add_rn(total, cutlass.select_(k < self.window, term, Float32(0.0)))
             acc.append(total)
         return acc
 
@@ -675,21 +707,22 @@ class StreamingKernel:
         return cute.arch.shuffle_sync(total, offset=0)
 
     @cute.jit
-    def _epilogue(self, gacc, gWork, gGkv, gGsc, mCu, mCuc, lane, cvw, wp, cb, rg, tid,
+    def _epilogue(self, gacc, gWork, gGkv, gGsc, mCu, mCuc, thr,
                   num_tokens, num_rows, num_segs, groups):
         """grad_ape partials of this CTA, then zeros for the elements no window consumes."""
-        VEC, R = self.vec, self.r
-        colw = cb * self.cv + cvw
+        lane, cvw, wp, cb, rg, tid = thr.lane, thr.cvw, thr.wp, thr.cb, thr.rg, thr.tid
+        VEC, R = self.vec, self.ratio
+        colw = cb * self.col_vectors + cvw
         zero = cute.make_rmem_tensor((VEC,), self.dtype)
         zero.fill(0.0)
-        for i in cutlass.range_constexpr(self.kt):
-            k = (wp * self.kt + i) * 32 + lane
-            if k < self.w and colw < self.ncv:
+        for i in cutlass.range_constexpr(self.entries_per_lane):
+            k = (wp * self.entries_per_lane + i) * 32 + lane
+            if k < self.window and colw < self.half_vectors:
                 half = k // R
-                for h in cutlass.range_constexpr(self.ah):
-                    frag = cute.make_rmem_tensor((self.av,), Float32)
-                    for v in cutlass.range_constexpr(self.av):
-                        frag[v] = gacc[i * VEC + h * self.av + v]
+                for h in cutlass.range_constexpr(self.ape_chunks):
+                    frag = cute.make_rmem_tensor((self.ape_vec,), Float32)
+                    for v in cutlass.range_constexpr(self.ape_vec):
+                        frag[v] = gacc[i * VEC + h * self.ape_vec + v]
                     c = self._ape_chunk(half, colw, h)
                     gWork[(None, (rg * R + k - half * R, c))].store(frag.load())
         T = num_tokens
@@ -697,21 +730,21 @@ class StreamingKernel:
             a = cutlass.max(cutlass.min(mCu[s], T), 0)
             e = cutlass.max(cutlass.min(mCu[s + 1], T), a)
             tail = a + ((e - a) // R) * R
-            for hh in cutlass.range_constexpr(self.co):
+            for hh in cutlass.range_constexpr(self.coff):
                 self._zero_range(gGkv, gGsc, tail, e, hh, cb, tid)
-            if const_expr(self.co == 2):  # noqa: SIM102 (compile-time, then run-time test)
+            if const_expr(self.coff == 2):  # noqa: SIM102 (compile-time, then run-time test)
                 if tail > a:  # first halves of the last block feed no window
                     self._zero_range(gGkv, gGsc, tail - R, tail, 0, cb, tid)
         # Rows past a static capacity smaller than the true count: their windows get zeros.
         hi_row = cutlass.min(mCuc[num_segs], T // R + 1)
         for n in cutlass.range(num_rows + rg, hi_row, groups, unroll=1):
             t0, fl = self._row_info(n, mCu, mCuc, num_tokens, num_segs)
-            for idx in cutlass.range(tid, self.w * self.cv, self.nt, unroll=1):
-                k = idx // self.cv
-                c = cb * self.cv + idx % self.cv
+            for idx in cutlass.range(tid, self.window * self.col_vectors, self.threads, unroll=1):
+                k = idx // self.col_vectors
+                c = cb * self.col_vectors + idx % self.col_vectors
                 real = (fl & RowFlag.REAL) != 0
-                if c < self.ncv and real and self._entry_ok(k, t0, fl, num_tokens):
-                    gc = (k // R) * self.ncv + c
+                if c < self.half_vectors and real and self._entry_ok(k, t0, fl, num_tokens):
+                    gc = (k // R) * self.half_vectors + c
                     gGkv[(None, (t0 + k, gc))].store(zero.load())
                     gGsc[(None, (t0 + k, gc))].store(zero.load())
         first = cutlass.max(cutlass.min(mCu[0], T), 0)
@@ -719,7 +752,7 @@ class StreamingKernel:
         chunk = (T - last + groups - 1) // groups
         lo = last + rg * chunk
         hi = cutlass.min(lo + chunk, T)
-        for hh in cutlass.range_constexpr(self.co):
+        for hh in cutlass.range_constexpr(self.coff):
             if rg == 0:
                 self._zero_range(gGkv, gGsc, 0, first, hh, cb, tid)
             if lo < hi:
@@ -728,15 +761,15 @@ class StreamingKernel:
     # ---------------------------------------------------------------- launch entries
     def _launch_main(self, gKV, gSc, p_ape, p_cu, p_cuc, gOut, gGo, gGkv, gGsc, gWork,
                      num_tokens, num_rows, num_segs, groups, stream):
-        width = self.co * self.d
+        width = self.coff * self.head_dim
         gApe = cute.zipped_divide(
-            cute.make_tensor(p_ape, cute.make_layout((self.r, width), stride=(width, 1))),
-            (1, self.av))
+            cute.make_tensor(p_ape, cute.make_layout((self.ratio, width), stride=(width, 1))),
+            (1, self.ape_vec))
         mCu = cute.make_tensor(p_cu, cute.make_layout(num_segs + 1))
         mCuc = cute.make_tensor(p_cuc, cute.make_layout(num_segs + 1))
         self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, gGo, gGkv, gGsc, gWork, num_tokens,
                     num_rows, num_segs, groups).launch(
-            grid=(groups * self.cb, 1, 1), block=(self.nt, 1, 1), stream=stream,
+            grid=(groups * self.col_blocks, 1, 1), block=(self.threads, 1, 1), stream=stream,
             min_blocks_per_mp=self.ctas, preferred_smem_carveout=100, use_pdl=self.pdl)
 
     def _rows(self, ptr, rows, cols):
@@ -754,12 +787,12 @@ class StreamingForward(StreamingKernel):
                  p_cu: cute.Pointer, p_cuc: cute.Pointer, p_out: cute.Pointer,
                  p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
                  grid: Int32, stream):
-        width = self.co * self.d
+        width = self.coff * self.head_dim
         gKV = self._rows(p_kv, num_tokens, width)
         gSc = self._rows(p_score, num_tokens, width)
-        gOut = self._rows(p_out, num_rows, self.d)
+        gOut = self._rows(p_out, num_rows, self.head_dim)
         self._launch_main(gKV, gSc, p_ape, p_cu, p_cuc, gOut, gOut, gOut, gOut, gOut,
-                          num_tokens, num_rows, num_segs, grid // self.cb, stream)
+                          num_tokens, num_rows, num_segs, grid // self.col_blocks, stream)
 
 
 class StreamingBackward(StreamingKernel):
@@ -772,15 +805,16 @@ class StreamingBackward(StreamingKernel):
                  p_gkv: cute.Pointer, p_gsc: cute.Pointer, p_gape: cute.Pointer,
                  p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
                  grid: Int32, stream):
-        width = self.co * self.d
-        groups = grid // self.cb
+        width = self.coff * self.head_dim
+        groups = grid // self.col_blocks
         gWork = cute.zipped_divide(cute.make_tensor(
-            p_work, cute.make_layout((groups * self.r, width), stride=(width, 1))),
-                                   (1, self.av))
+            p_work, cute.make_layout((groups * self.ratio, width), stride=(width, 1))),
+                                   (1, self.ape_vec))
         self._launch_main(self._rows(p_kv, num_tokens, width),
                           self._rows(p_score, num_tokens, width), p_ape, p_cu, p_cuc,
-                          self._rows(p_go, num_rows, self.d), self._rows(p_go, num_rows, self.d),
+                          self._rows(p_go, num_rows, self.head_dim),
+                          self._rows(p_go, num_rows, self.head_dim),
                           self._rows(p_gkv, num_tokens, width),
                           self._rows(p_gsc, num_tokens, width), gWork, num_tokens, num_rows,
                           num_segs, groups, stream)
-        launch_sum_parts(p_work, p_gape, groups, self.r * width, _SUM_SPLIT, self.pdl, stream)
+        launch_sum_parts(p_work, p_gape, groups, self.ratio * width, _SUM_SPLIT, self.pdl, stream)
