@@ -23,8 +23,8 @@ from . import _versions, policy
 from .policy import MODES, get_mode, set_mode
 
 # The tested range, first and last (major, minor): the lowering's tests pass on torch 2.11,
-# 2.12, 2.13, 2.14 and 2.15, one code path with version adapters in _generate (exact
-# rounding ops; the C++ backend's conversion cache before 2.13). A release outside it may have
+# 2.12, 2.13, 2.14 and 2.15, one code path with two version adapters in _generate (the
+# round-to-nearest ops, which 2.11 lacks; the C++ backend's conversion cache before 2.13). A release outside it may have
 # moved the Inductor internals used here: there torch.compile keeps the opaque op, and warns.
 TORCH_RANGE = ((2, 11), (2, 15))
 DISABLE_ENV = "CSA_OPS_LOWERING_DISABLE"
@@ -96,4 +96,5 @@ class _PolicyModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _PolicyModule
 
-__all__ = ["MODES", "available", "ensure_registered", "get_mode", "mode", "set_mode"]
+__all__ = ["MODES", "TORCH_RANGE", "available", "ensure_registered", "get_mode", "mode",
+           "set_mode", "tested_range", "torch_supported"]

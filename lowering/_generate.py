@@ -28,7 +28,7 @@ from . import _versions
 UNROLL_MAX = 16
 
 I64 = torch.int64
-# Round-to-nearest mul/div where the ops exist (torch 2.13 on; 2.11 and 2.12 lack them): a
+# Round-to-nearest mul/div where both ops exist (torch 2.12 on; 2.11 has no div_rn): a
 # rounded product that Triton never contracts into an FMA, and IEEE division instead of
 # Triton's approximate div.full. The version adapter is this feature test, not a version number.
 EXACT_ROUNDING = hasattr(OpsHandler, "mul_rn") and hasattr(OpsHandler, "div_rn")
