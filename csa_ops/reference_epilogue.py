@@ -4,7 +4,8 @@ One source of truth for what the epilogue ops compute on a pooled row (docs/epil
 the forward and its hand-written backward, the fp64 oracle, row positions, and the byte
 encoders and decoders of the cache formats. Every step computes in the accumulation dtype
 (fp32; fp64 for fp64 rows) from values of the row dtype and rounds back to it. Nothing here
-reads tensor contents on the host, so no function synchronizes a device.
+reads tensor contents on the host, so no function synchronizes a device, and every step is
+an IEEE operation that gives the same bits on every device (see ``divide``).
 """
 
 from __future__ import annotations
@@ -44,28 +45,65 @@ class EpilogueParams:
     rotate: bool
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device. Written ``x / number``, it is
+    not: CUDA's true-division kernel turns a divisor that is a host scalar into a
+    multiplication by its rounded reciprocal, which is off by one in the last bit for some x
+    (``amax / 448`` among them), while the CPU divides. A divisor tensor of x's shape on
+    x's device is divided everywhere."""
+    return torch.div(x, torch.full_like(x, divisor))
+
+
 def row_mean(x: torch.Tensor) -> torch.Tensor:
     """(N, 1) mean over the last dim in a fixed order that no row count or device changes:
     a pairwise tree (column j plus column j + w/2 of the first w columns, w halving from d
-    padded with zeros to a power of two), then one division by d. torch's own reductions
-    may pick their order by the tensor's shape, so a row could round differently in a
-    decode step than in a prefill."""
+    padded with zeros to a power of two), then one IEEE division by d. torch's own
+    reductions may pick their order by the tensor's shape, so a row could round differently
+    in a decode step than in a prefill."""
     d = x.shape[-1]
     width = 1 << max(d - 1, 0).bit_length()
     total = torch.nn.functional.pad(x, (0, width - d)) if width != d else x
     while width > 1:
         width //= 2
         total = total[:, :width] + total[:, width:]
-    return total / d
+    return divide(total, d)
+
+
+def sqrt(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of fp32 values, the same bits on every device.
+    Neither torch function is that: torch.sqrt on the CPU is MKL's, one ulp off for about
+    a fifth of fp32 inputs, and CUDA's rsqrt is within 2 ulp. A guess (the fp64 root
+    rounded to fp32) is checked exactly against the midpoints to its fp32 neighbours,
+    whose squares fp64 holds exactly (25 significant bits), and moved where the root
+    lies past one. fp64 values get torch.sqrt (the last bit is the device's)."""
+    if v.dtype != torch.float32:
+        return torch.sqrt(v)
+    wide = v.double()
+    return _nearest_root(wide, torch.sqrt(wide).float())
+
+
+def _nearest_root(wide: torch.Tensor, guess: torch.Tensor) -> torch.Tensor:
+    """``guess`` moved to its fp32 neighbour where sqrt(wide) lies past the midpoint
+    between them; exact for a guess within one step (no root of an fp32 value is a
+    midpoint, so there are no ties)."""
+    up = torch.nextafter(guess, torch.full_like(guess, float("inf")))
+    down = torch.nextafter(guess, torch.zeros_like(guess))
+    above = (guess.double() + up.double()) * 0.5
+    below = (guess.double() + down.double()) * 0.5
+    root = torch.where(wide > above * above, up, guess)
+    return torch.where(wide < below * below, down, root)
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(N, 1) rsqrt(mean(x^2) + eps), eps rounded to x's dtype."""
-    return torch.rsqrt(row_mean(x.square()) + eps)
+    """(N, 1) ``1 / sqrt(mean(x^2) + eps)``, eps rounded to x's dtype: the correctly
+    rounded square root (``sqrt``), then an IEEE division, so the same bits on every
+    device (torch.rsqrt is not: CUDA's is within 2 ulp, the CPU's is this quotient)."""
+    v = row_mean(x * x) + eps  # x * x: torch.square is pow(x, 2)
+    return torch.div(torch.ones_like(v), sqrt(v))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(x * rsqrt(mean(x^2) + eps)) * weight`` over the last dim, in x's dtype."""
+    """``(x * (1 / sqrt(mean(x^2) + eps))) * weight`` over the last dim, in x's dtype."""
     return x * inverse_rms(x, eps) * weight
 
 
@@ -93,8 +131,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Walsh-Hadamard transform over the last dim (a power of two, Sylvester order:
     H[i, j] = (-1)^popcount(i & j)) times d**-0.5: butterflies of stride 1, 2, 4, ...,
-    then one multiply by the scale rounded to x's dtype. H is symmetric, so this is its
-    own transpose (the backward)."""
+    then one multiply by the scale rounded to x's dtype (a host-scalar factor is rounded
+    once and multiplied on every device alike). H is symmetric, so this is its own
+    transpose (the backward)."""
     rows, d = x.shape
     stride = 1
     while stride < d:
@@ -151,7 +190,7 @@ def epilogue_rows_backward(grad_out: torch.Tensor, pooled: torch.Tensor,
     normed = x * inv_rms
     grad_weight = torch.where(valid[:, None], g * normed, 0.0).sum(0)
     scaled = g * weight
-    # d/dx of x * r(x), r = rsqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
+    # d/dx of x * r(x), r = 1 / sqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
     grad_x = (scaled - normed * row_mean(normed * scaled)) * inv_rms
     grad_x = torch.where(valid[:, None], grad_x, 0.0)
     return grad_x.to(dtype), grad_weight.to(params.norm_weight.dtype)
@@ -221,8 +260,14 @@ def ceil_log2(v: torch.Tensor) -> torch.Tensor:
     return torch.where(mantissa == 0.5, exponent - 1, exponent)
 
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """fp32 2**exponent of int32 exponents in [-149, 128] (128: Inf), built from the bits
+    (the biased exponent, or one mantissa bit below 2**-126), so it is exact on every
+    device: torch.ldexp goes through pow, a device's math library."""
+    e = exponent.to(torch.int32)
+    normal = (e + 127).clamp(min=0) << 23
+    subnormal = torch.ones_like(e) << (e + 149).clamp(0, 22)
+    return torch.where(e >= -126, normal, subnormal).view(torch.float32)
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +299,7 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def decode_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 bytes -> fp32 2**(byte - 127); 0xFF is NaN."""
-    value = _pow2(scale.to(torch.int32) - 127)
+    value = pow2(scale.to(torch.int32) - 127)
     return torch.where(scale == UE8M0_NAN, float("nan"), value)
 
 
@@ -264,8 +309,8 @@ def _pow2_blocks(x: torch.Tensor, block: int, floor: float, top: float):
     blocks = x.reshape(x.shape[0], x.shape[1] // block, block)
     amax = blocks.abs().amax(-1)
     finite = torch.isfinite(amax)
-    exponent = torch.where(finite, ceil_log2(amax.clamp(min=floor) / top), 0)
-    scaled = blocks * _pow2(-exponent)[..., None]  # exact: a power of two in range
+    exponent = torch.where(finite, ceil_log2(divide(amax.clamp(min=floor), top)), 0)
+    scaled = blocks * pow2(-exponent)[..., None]  # exact: a power of two in range
     scale = torch.where(finite, exponent + 127, UE8M0_NAN).to(torch.uint8)
     return scaled, scale, finite
 
@@ -297,7 +342,7 @@ def encode_fp8_block128(rows: torch.Tensor) -> torch.Tensor:
     exact zeros."""
     x = rows.to(torch.float32)
     blocks = x.reshape(x.shape[0], x.shape[1] // BLOCK128, BLOCK128)
-    scale = blocks.abs().amax(-1) / FP8_MAX
+    scale = divide(blocks.abs().amax(-1), FP8_MAX)
     finite = torch.isfinite(scale)
     usable = (finite & (scale > 0))[..., None]
     codes = encode_e4m3(blocks / torch.where(usable, scale[..., None], 1.0))

@@ -184,18 +184,22 @@ def _write(view: torch.Tensor, t: _Targets, values: torch.Tensor) -> None:
     """view[page[n], slot[n]] = values[n] where ``t.writes``, no other entry touched, and no
     host sync: a row that must not write is sent to the first writing row's target with that
     row's value (or, if no row writes, to entry (0, 0) with its own content), so every index
-    that repeats carries one value and the scatter's order among repeats does not matter."""
+    that repeats carries one value and the scatter's order among repeats does not matter.
+    The first writing row is picked with a one-element index tensor: indexing with a 0-dim
+    tensor reads it on the host (a sync on CUDA)."""
     if values.shape[0] == 0 or view.shape[0] == 0:
         return
     writes = t.writes
-    first = writes.to(torch.int32).argmax()
-    any_writes = writes[first]
-    fallback_page = torch.where(any_writes, t.page[first], 0)
-    fallback_slot = torch.where(any_writes, t.slot[first], 0)
-    fallback_value = torch.where(any_writes, values[first], view[0, 0])
+    first = writes.to(torch.int32).argmax().view(1)
+    any_writes = writes.index_select(0, first)  # (1,)
+    fallback_page = torch.where(any_writes, t.page.index_select(0, first), 0)
+    fallback_slot = torch.where(any_writes, t.slot.index_select(0, first), 0)
+    row_shape = (1, *([1] * (values.dim() - 1)))
+    fallback_value = torch.where(any_writes.view(row_shape), values.index_select(0, first),
+                                 view[0, 0].unsqueeze(0))
     page = torch.where(writes, t.page, fallback_page)
     slot = torch.where(writes, t.slot, fallback_slot)
-    mask = writes.view(-1, *([1] * (values.dim() - 1)))
+    mask = writes.view(-1, *row_shape[1:])
     view.index_put_((page, slot), torch.where(mask, values, fallback_value))
 
 

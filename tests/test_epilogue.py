@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import csa_ops.meta.epilogue  # noqa: F401  (registers the fakes)
+import numpy as np
 import pytest
 import torch
 from helpers import PackSpec, assert_bitwise_equal, assert_within_one_step, make_pack, ulp
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from csa_ops import epilogue, reference_epilogue
 
@@ -334,6 +336,205 @@ def test_compile_fullgraph_block_equals_eager_bitwise(compile_env):
     compiled = step(torch.compile(block, fullgraph=True))
     for i, (a, b) in enumerate(zip(compiled, eager)):
         assert_bitwise_equal(a, b, f"output {i}")
+
+
+# ---------------------------------------------------------------------------------------
+# Device independence, on the CPU: what CUDA does differently is made to happen here.
+
+aten = torch.ops.aten
+# Ops that read tensor contents on the host (a sync on CUDA): .item(), int(), float() and
+# bool() of a tensor and indexing with a 0-dim tensor all reach aten._local_scalar_dense;
+# the others size their output by the data.
+HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+              aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
+              aten.unique_dim.default, aten.unique_consecutive.default,
+              aten.repeat_interleave.Tensor}
+# Ops that take a list of index tensors, where a bool mask means a nonzero() (a sync).
+INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+            aten._index_put_impl_.default}
+
+
+class HostReadsAreErrors(TorchDispatchMode):
+    """Inside, an aten op that reads tensor contents on the host raises, as
+    torch.cuda.set_sync_debug_mode("error") raises on CUDA. Ops of other namespaces (the
+    pooling ops) run whole: their CUDA kernels read nothing on the host (tests/gpu)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        masks = func in INDEXING and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if func in HOST_READS or masks:
+            raise AssertionError(f"{func} reads tensor contents on the host (a sync on CUDA)")
+        return func(*args, **(kwargs or {}))
+
+
+# Functions whose CUDA results are approximations with unspecified last bits (CUDA's rsqrt
+# is within 2 ulp; pow, exp and log come from a device math library).
+APPROXIMATE = {aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor,
+               aten.pow.Scalar, aten.exp.default, aten.exp2.default, aten.log.default,
+               aten.log2.default}
+DIVISIONS = {aten.div.Tensor, aten.div.Scalar}
+
+
+class CudaArithmetic(TorchDispatchMode):
+    """Inside, arithmetic goes CUDA's way where that differs from the CPU's: a floating
+    division by a host scalar (a Python number, or a 0-dim CPU tensor, which CUDA's kernels
+    take as one) multiplies by the divisor's reciprocal rounded to the compute dtype, as
+    CUDA's true-division kernel does; and an APPROXIMATE op raises. Code whose bits this
+    does not change computes the same bits on both devices."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        squares = func == aten.pow.Tensor_Scalar and args[1] == 2  # x * x on both devices
+        if func in APPROXIMATE and not squares:
+            raise AssertionError(f"{func}: its CUDA result differs from the CPU's")
+        if func in DIVISIONS and not kwargs and _host_scalar(args[1]):
+            x, divisor = args
+            dtype = torch.result_type(x, divisor)
+            if dtype.is_floating_point:
+                opmath = torch.float64 if dtype == torch.float64 else torch.float32
+                value = divisor.item() if isinstance(divisor, torch.Tensor) else divisor
+                reciprocal = torch.tensor(1.0, dtype=opmath) / torch.tensor(value, dtype=opmath)
+                return (x.to(opmath) * reciprocal).to(dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _host_scalar(value) -> bool:
+    return not isinstance(value, torch.Tensor) or value.dim() == 0
+
+
+def _reciprocal_differs(x: np.ndarray, divisor: float) -> np.ndarray:
+    """Where fp32 x * (1 / divisor) is not the correctly rounded x / divisor."""
+    d = np.float32(divisor)
+    return x * (np.float32(1) / d) != x / d
+
+
+def _composition_inputs(dtype, head_dim: int, rope_dim: int, rotate: bool, rows: int = 64):
+    gen = torch.Generator().manual_seed(head_dim + rope_dim)
+    pooled = (torch.randn(rows, head_dim, generator=gen)
+              * 2.0 ** torch.randint(-8, 8, (rows, 1), generator=gen)).to(dtype)
+    cos, sin = rope_tables(rope_dim) if rope_dim else (None, None)
+    params = reference_epilogue.EpilogueParams(
+        1 + 0.25 * torch.randn(head_dim, generator=gen), 1e-6, cos, sin, rope_dim, rotate)
+    positions = torch.randint(0, 96, (rows,), generator=gen)
+    valid = torch.arange(rows) < rows - 3
+    grad_out = torch.randn(rows, head_dim, generator=gen).to(dtype)
+    return pooled, positions, valid, params, grad_out
+
+
+def _composition(pooled, positions, valid, params, grad_out) -> list:
+    """The rows, both gradients, and each format's encoding the rows' shape allows."""
+    rows = reference_epilogue.epilogue_rows(pooled, positions, valid, params)
+    out = [rows, *reference_epilogue.epilogue_rows_backward(grad_out, pooled, positions,
+                                                            valid, params)]
+    d = pooled.shape[1]
+    for fmt, fits in (("fp8_block128", d % 128 == 0), ("mxfp4", d % 32 == 0),
+                      ("fp8_ds_mla", d == 512)):
+        if fits:
+            out += reference_epilogue.encode_rows(rows, fmt)
+    return out
+
+
+@pytest.mark.parametrize("dtype, head_dim, rope_dim, rotate", [
+    pytest.param(torch.bfloat16, 128, 64, True, id="bf16_d128_rot"),
+    pytest.param(torch.float32, 96, 32, False, id="fp32_d96"),
+    pytest.param(torch.float16, 512, 64, False, id="fp16_d512"),
+])
+def test_composition_computes_the_same_bits_with_cuda_arithmetic(dtype, head_dim, rope_dim,
+                                                                  rotate):
+    """Forward, backward and encodings bitwise unchanged when divisions by a host scalar
+    multiply by the reciprocal and approximate functions are refused, as on CUDA (d96: a
+    mean whose divisor is no power of two)."""
+    inputs = _composition_inputs(dtype, head_dim, rope_dim, rotate)
+    plain = _composition(*inputs)
+    with CudaArithmetic():
+        cuda_way = _composition(*inputs)
+    for i, (a, b) in enumerate(zip(cuda_way, plain)):
+        assert_bitwise_equal(a, b, f"output {i}")
+
+
+def test_row_mean_and_inverse_rms_are_ieee_division_and_sqrt():
+    """Integer rows of width 96 (exact sums in any order): the mean is the fp32 quotient by
+    96 and the inverse RMS fp32 1 / sqrt of its argument, computed by numpy, also where the
+    reciprocal's product differs from the quotient (checked present)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-1000, 1000, (512, 96), generator=gen).float()
+    sums = x.double().sum(1).numpy().astype(np.float32)  # exact: |sum| < 2**24
+    assert _reciprocal_differs(sums, 96).sum() > 10
+    with CudaArithmetic():
+        mean = reference_epilogue.row_mean(x)
+        inv = reference_epilogue.inverse_rms(x, 1e-6)
+    assert_bitwise_equal(mean[:, 0], torch.from_numpy(sums / np.float32(96)), "mean")
+    v = reference_epilogue.row_mean(x * x).numpy() + np.float32(1e-6)
+    want = np.float32(1) / np.sqrt(v)
+    assert_bitwise_equal(inv, torch.from_numpy(want), "inverse rms")
+
+
+def test_fp8_block128_scales_are_ieee_quotients():
+    """The fp32 scale amax / 448 of many blocks, with CUDA's arithmetic, equals numpy's
+    fp32 division, where x * (1 / 448) rounds otherwise too (checked present); the codes
+    are those of each value divided by its block's scale."""
+    gen = torch.Generator().manual_seed(6)
+    amax = torch.rand(4096, generator=gen) * 2.0 ** torch.randint(-100, 100, (4096,),
+                                                                  generator=gen)
+    assert _reciprocal_differs(amax.numpy(), 448.0).sum() > 1000
+    blocks = torch.rand(4096, 128, generator=gen) * 2 - 1
+    blocks = blocks * amax[:, None]
+    blocks[torch.arange(4096), torch.randint(0, 128, (4096,), generator=gen)] = amax
+    with CudaArithmetic():
+        encoded = reference_epilogue.encode_fp8_block128(blocks)
+    scale = np.abs(blocks.numpy()).max(1) / np.float32(448)
+    got = reference_epilogue.bitcast(encoded[:, 128:], torch.float32)[:, 0]
+    assert_bitwise_equal(got, torch.from_numpy(scale), "scales")
+    quotient = torch.from_numpy(blocks.numpy() / scale[:, None])
+    assert_bitwise_equal(encoded[:, :128], reference_epilogue.encode_e4m3(quotient), "codes")
+
+
+def test_sqrt_is_correctly_rounded_and_corrects_a_guess_one_step_off():
+    """fp32 roots against numpy's (correctly rounded) over normal and subnormal values,
+    zero, Inf, NaN and squares; and the exact check alone turns a guess one step above or
+    below the root into the root."""
+    gen = np.random.default_rng(7)
+    v = np.concatenate([gen.random(1 << 16) * 4, gen.random(1 << 12) * 1e-38,
+                        [0.0, 2.0**-149, 1.0, 4.0, 3.4e38, 9.0, np.inf, np.nan]])
+    v = v.astype(np.float32)
+    want = torch.from_numpy(np.sqrt(v))
+    assert_bitwise_equal(reference_epilogue.sqrt(torch.from_numpy(v)), want, "sqrt")
+    finite = torch.from_numpy(np.isfinite(v))
+    wide, want = torch.from_numpy(v).double()[finite], want[finite]
+    for toward in (float("inf"), 0.0):
+        guess = torch.nextafter(want, torch.full_like(want, toward))
+        assert_bitwise_equal(reference_epilogue._nearest_root(wide, guess), want, "corrected")
+
+
+def test_pow2_is_exact_over_its_range():
+    exponent = torch.arange(-149, 129, dtype=torch.int32)
+    want = torch.tensor([2.0**e for e in exponent.tolist()]).float()  # 2**128: Inf
+    assert_bitwise_equal(reference_epilogue.pow2(exponent), want, "2**e")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=_id)
+def test_training_composition_reads_nothing_on_the_host(case):
+    """What the op runs on CUDA (no content checks): pooling, positions, epilogue and its
+    backward with no op that syncs; the rows are the op's."""
+    inputs = make_inputs(case)
+    names = ("kv", "score", "ape", "cu_seqlens", "cu_seqlens_comp", "ratio", "coff")
+    params = params_of(inputs)
+    rows = case.spec.capacity
+    grad_out = torch.randn(rows, case.head_dim).to(case.dtype)
+    with HostReadsAreErrors():
+        out = reference_epilogue.compressor_epilogue_reference(
+            *(inputs[n] for n in names), params, inputs["position_offset"], rows)
+        positions, valid = reference_epilogue.training_positions(
+            inputs["cu_seqlens_comp"], inputs["position_offset"], rows, case.ratio)
+        reference_epilogue.epilogue_rows_backward(grad_out, out, positions, valid, params)
+    assert_bitwise_equal(out, FORWARD(*positional(inputs)), "rows")
+
+
+def test_host_read_detector_catches_a_zero_dim_index():
+    flags = torch.tensor([False, True])
+    with HostReadsAreErrors(), pytest.raises(AssertionError, match="_local_scalar_dense"):
+        flags[flags.int().argmax()]
+    with HostReadsAreErrors(), pytest.raises(AssertionError, match="reads tensor contents"):
+        torch.arange(2)[flags]
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ exhaustively, apart from csa_ops.reference_epilogue's encoders.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from helpers import assert_bitwise_equal, ulp
 from serving_helpers import make_requests, permuted_slots, random_schedule, step_inputs
+from test_epilogue import HostReadsAreErrors
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from csa_ops import CompressorState, epilogue, reference_epilogue, serving_store
@@ -413,6 +415,27 @@ def test_unchecked_path_with_no_row_to_write_leaves_the_cache():
     args[16] = torch.full_like(s.block_table, -3)
     serving_store.extend_store(*args, check_contents=False)
     assert_bitwise_equal(s.cache, s.initial, "cache")
+
+
+@pytest.mark.parametrize("cache_format, rope_dim, rotate", FORMAT_CASES)
+@pytest.mark.parametrize("pages", ["some_out_of_range", "none_in_range"])
+def test_unchecked_path_reads_nothing_on_the_host(cache_format, rope_dim, rotate, pages):
+    """The path CUDA takes never syncs (what lets a decode step sit in a CUDA graph): no
+    op of the composition reads tensor contents on the host, whether some rows or none
+    have a page; the cache is then what the same call stores outside the check."""
+    caches = []
+    for mode in (HostReadsAreErrors, contextlib.nullcontext):
+        s = Serving(cache_format, LENGTHS, RATIO, COFF, rope_dim, rotate, seed=14)
+        args = list(s.args([(0, 11), (1, 6), (2, 17)], [0, 0, 0]))
+        table = args[ARG["block_table"]]
+        table[0, 0] = -1
+        if pages == "none_in_range":
+            table.fill_(s.cache.shape[0])
+        with mode():
+            serving_store.extend_store(*args, check_contents=False)
+        caches.append(s.cache)
+    assert_bitwise_equal(caches[0], caches[1], "cache")
+    assert torch.equal(caches[0], s.initial) == (pages == "none_in_range")
 
 
 OPCHECK_CASES = [
