@@ -5,7 +5,7 @@ the forward and its hand-written backward, the fp64 oracle, row positions, and t
 encoders and decoders of the cache formats. Every step computes in the accumulation dtype
 (fp32; fp64 for fp64 rows) from values of the row dtype and rounds back to it. Nothing here
 reads tensor contents on the host, so no function synchronizes a device, and every step is
-an IEEE operation that gives the same bits on every device (see ``divide``).
+an exact or IEEE operation that gives the same bits on every device (``divide``, ``sqrt``).
 """
 
 from __future__ import annotations
