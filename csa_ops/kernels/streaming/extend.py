@@ -13,8 +13,9 @@ from cutlass import Float32, Int32, Int64, const_expr, cute
 from ...config import KernelKey, Part
 from ..shared import common as cm
 from ..shared import requests
-from .kernels import RowFlag, RowTensors, StreamingKernel, flat
+from .kernels import StreamingKernel
 from .plan import MAX_ROWS, RED_KINDS, quiet_lanes
+from .rows import RowFlag, RowTensors, flat
 
 QUIET_UNROLL = 4  # pieces of a quiet request's update loaded before their stores
 # An extend CTA's item table holds a row's request, or NO_REQUEST: a row no request holds

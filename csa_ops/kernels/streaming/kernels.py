@@ -16,9 +16,7 @@ plan.py; csa::compressor_extend's kernel (extend.py) builds on the class here.
 
 from __future__ import annotations
 
-import enum
 import math
-from typing import NamedTuple
 
 import cutlass
 from cutlass import Float32, Int32, Int64, const_expr, cute
@@ -29,53 +27,9 @@ from ..shared import common as cm
 from ..shared import softmax, torch_order
 from ..shared.reduce import launch_sum_parts
 from .plan import MAX_ROWS, RED_KINDS
+from .rows import RowFlag, RowTensors, Thread, flat
 
 _SUM_SPLIT = 16  # grad_ape sum: warps per CTA, each summing every 16th CTA partial
-
-
-class RowFlag(enum.IntFlag):
-    """A row's flags in the row tables: REAL, a row of data (n < cuc[-1]); PREVIOUS, its
-    block has a previous block in its segment; FULL, every window entry exists (the lean
-    path skips the masks); SKIP, a split extend call's rows launch leaves the row to its
-    requests' launch (the flag alone: no data, no zeros)."""
-
-    REAL = 1
-    PREVIOUS = 2
-    FULL = 4
-    SKIP = 8
-
-
-def flat(t: cute.Tensor, n: int, h: int = 0) -> cute.Tensor:
-    """Elements [h * n, (h + 1) * n) of a sliced vector as a flat view (the shape cute.copy
-    expects; h > 0: one 16-byte fp32 access of a wider vector)."""
-    return cute.make_tensor(t.iterator + h * n if h else t.iterator, cute.make_layout(n))
-
-
-class Thread(NamedTuple):
-    """A thread's coordinates in a streaming CTA: thread and block index, its column block
-    and row group, its lane, its warp's column vector (cvw) and that warp's index among the
-    warps of the vector (wp)."""
-
-    tid: Int32
-    bid: Int32
-    cb: Int32
-    rg: Int32
-    lane: Int32
-    cvw: Int32
-    wp: Int32
-
-
-class RowTensors(NamedTuple):
-    """The global tensors a row reads and writes: the window's kv and score, ape, grad_out
-    (the backward's; the forward passes its output), the output rows, grad_kv, grad_score."""
-
-    kv: cute.Tensor
-    score: cute.Tensor
-    ape: cute.Tensor
-    grad_out: cute.Tensor
-    out: cute.Tensor
-    grad_kv: cute.Tensor
-    grad_score: cute.Tensor
 
 
 class StreamingKernel:

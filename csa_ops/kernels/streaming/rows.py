@@ -1,0 +1,54 @@
+"""What the streaming kernels pass between their parts: a row's flags in the row tables, a
+thread's coordinates, a row's tensors, and flat views of sliced vectors."""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from cutlass import Int32, cute
+
+
+class RowFlag(enum.IntFlag):
+    """A row's flags in the row tables: REAL, a row of data (n < cuc[-1]); PREVIOUS, its
+    block has a previous block in its segment; FULL, every window entry exists (the lean
+    path skips the masks); SKIP, a split extend call's rows launch leaves the row to its
+    requests' launch (the flag alone: no data, no zeros)."""
+
+    REAL = 1
+    PREVIOUS = 2
+    FULL = 4
+    SKIP = 8
+
+
+def flat(t: cute.Tensor, n: int, h: int = 0) -> cute.Tensor:
+    """Elements [h * n, (h + 1) * n) of a sliced vector as a flat view (the shape cute.copy
+    expects; h > 0: one 16-byte fp32 access of a wider vector)."""
+    return cute.make_tensor(t.iterator + h * n if h else t.iterator, cute.make_layout(n))
+
+
+class Thread(NamedTuple):
+    """A thread's coordinates in a streaming CTA: thread and block index, its column block
+    and row group, its lane, its warp's column vector (cvw) and that warp's index among the
+    warps of the vector (wp)."""
+
+    tid: Int32
+    bid: Int32
+    cb: Int32
+    rg: Int32
+    lane: Int32
+    cvw: Int32
+    wp: Int32
+
+
+class RowTensors(NamedTuple):
+    """The global tensors a row reads and writes: the window's kv and score, ape, grad_out
+    (the backward's; the forward passes its output), the output rows, grad_kv, grad_score."""
+
+    kv: cute.Tensor
+    score: cute.Tensor
+    ape: cute.Tensor
+    grad_out: cute.Tensor
+    out: cute.Tensor
+    grad_kv: cute.Tensor
+    grad_score: cute.Tensor
