@@ -194,8 +194,13 @@ def _segment_tables(seq: _Sequences, cuc: torch.Tensor, geo: _Geometry) -> _Segm
 
 
 def _segment_of(position: torch.Tensor, cu: torch.Tensor, segments: int):
-    """(segment, valid) of positions in a pack with offsets cu; invalid past cu[-1]."""
-    index = torch.searchsorted(cu[1:].contiguous(), position, right=True)
+    """(segment, valid) of positions >= 0 in a pack with offsets cu (cu[0] == 0, as every
+    _exclusive_cumsum gives); invalid past cu[-1]."""
+    # Searched over the whole of cu, never a slice such as cu[1:]: torch 2.11's Inductor
+    # (Triton searchsorted, fixed by 2.13) drops a sliced boundary tensor's storage offset and
+    # searches from its buffer's start, which puts every position one segment too far. Here
+    # cu[0] = 0 <= position always counts once, so one less is the count over cu[1:].
+    index = torch.searchsorted(cu, position, right=True) - 1
     return index.clamp(max=segments - 1), position < cu[-1]
 
 

@@ -4,8 +4,9 @@ One set of 4 processes (forkserver, one torch import) runs everything: groups of
 4 ranks, both layouts, ragged packs whose sequences cross several ranks, short and empty
 sequences, ratio-128 halos spanning several chunks, static capacities with padding tokens;
 forward, backward (twice: bitwise run-to-run), gather_rows both ways, the errors (raised on
-every rank, the group usable afterwards) and a torch.compile(fullgraph=True) step. The model
-of the layouts here is plain Python, independent of the module's tensor formulas.
+every rank, the group usable afterwards) and a torch.compile(fullgraph=True) step; in this
+process, the index plan under a search that ignores view offsets. The model of the layouts
+here is plain Python, independent of the module's tensor formulas.
 """
 
 from __future__ import annotations
@@ -417,3 +418,41 @@ def test_chunk_of_inverts_the_cut_points():
                         for u in range(length)]
             found = distributed._chunk_of(offsets, torch.tensor(length), chunks)
             assert found.tolist() == expected, (chunks, length)
+
+
+def _plan_of(lengths, ratio: int, coff: int, world: int, rank: int, layout: str):
+    """The module's index tables of one rank's static call, as compressor builds them."""
+    cu, cuc = csa_ops.offsets_for(lengths, ratio)
+    zigzag = layout == "zigzag"
+    segments = len(lengths) * (2 if zigzag else 1)
+    capacity = max(len(owned_rows(lengths, ratio, world, layout, r)) for r in range(world)) + 1
+    tokens = len(local_positions(lengths, world, layout, rank)) + 2  # two padding tokens
+    geo = distributed._Geometry(world, rank, zigzag, ratio, coff, 8, segments,
+                                coff * ratio - 1, tokens, capacity,
+                                capacity + segments * (coff - 1))
+    return distributed._plan(cu, cuc, geo)
+
+
+def test_plan_holds_under_a_search_that_ignores_view_offsets(monkeypatch):
+    """torch 2.11's Inductor searches a sliced boundary tensor (cu[1:]) from its buffer's
+    start on CUDA: compiled CP steps put every position one segment too far. The plan must
+    not depend on the boundary tensor's storage offset. A search that drops it (as that
+    lowering does) must give the same tables, bit for bit."""
+    real_search = torch.searchsorted
+    packs = [((4096, 3, 0, 1500, 700, 130, 8191), 4, 2), ((61, 7, 130, 0, 2), 4, 2),
+             ((300, 0, 129, 5), 128, 1), ((5, 0, 3), 1, 1)]
+    expected = {}
+    for lengths, ratio, coff in packs:
+        for world, layout in ((1, "zigzag"), (3, "contiguous"), (2, "zigzag")):
+            for rank in range(world):
+                key = (lengths, ratio, coff, world, rank, layout)
+                expected[key] = _plan_of(lengths, ratio, coff, world, rank, layout)
+
+    def search_from_buffer_start(sorted_sequence, values, **options):
+        base = sorted_sequence.as_strided(sorted_sequence.shape, sorted_sequence.stride(), 0)
+        return real_search(base, values, **options)
+
+    monkeypatch.setattr(torch, "searchsorted", search_from_buffer_start)
+    for key, plan in expected.items():
+        for name, found, wanted in zip(plan._fields, _plan_of(*key), plan):
+            assert_bitwise_equal(found, wanted, f"{key}: {name}")

@@ -3,9 +3,10 @@
 A group of one (NCCL, in this process) runs the CP path's kernels, forward and backward,
 both layouts (zigzag's two chunks exchange a halo even on one rank), and its CP step
 (compressor, gather_rows, backward) captured in a CUDA graph and replayed over new pack
-boundaries under static capacities. With two GPUs or more, one process per GPU runs the
-same checks at the production configurations over the whole group. The layout model is the
-CPU test's (tests/test_distributed.py), plain Python.
+boundaries under static capacities, and under torch.compile (Inductor: the index plan alone,
+then the whole step). With two GPUs or more, one process per GPU runs the same checks at the
+production configurations over the whole group. The layout model is the CPU test's
+(tests/test_distributed.py), plain Python.
 """
 
 from __future__ import annotations
@@ -226,6 +227,34 @@ def test_group_of_one_compiles_whole(group_of_one):
     failures = Failures()
     for name, a, e in zip(("all_rows", "grad_kv", "grad_score", "grad_ape"), compiled, eager):
         failures.bitwise(a, e, f"compiled {name}")
+    assert not failures, "\n".join(failures)
+
+
+def test_plan_compiles_bitwise():
+    """The CP index plan alone under Inductor (Triton searchsorted on CUDA) against eager:
+    the stage where a search over a sliced offset tensor went one segment off on torch 2.11,
+    and with it every output of the compiled step."""
+    ratio, coff, head_dim = CONFIGS[0]
+    failures = Failures()
+    cu, cuc = csa_ops.offsets_for(LENGTHS, ratio, "cuda")
+    # The failing test's rank, an inner contiguous rank, a zigzag rank of a real exchange.
+    for layout, world, rank in (("zigzag", 1, 0), ("contiguous", 3, 1), ("zigzag", 2, 1)):
+        zigzag = layout == "zigzag"
+        segments = len(LENGTHS) * (2 if zigzag else 1)
+        capacity = max(len(owned_rows(LENGTHS, ratio, world, layout, r)) for r in range(world))
+        tokens = len(local_positions(LENGTHS, world, layout, rank)) + 3  # 3 padding tokens
+        geo = distributed._Geometry(world, rank, zigzag, ratio, coff, head_dim, segments,
+                                    coff * ratio - 1, tokens, capacity + 2,
+                                    capacity + 2 + segments * (coff - 1))
+
+        def plan(cu, cuc, geo=geo):
+            return tuple(distributed._plan(cu, cuc, geo))
+
+        torch._dynamo.reset()
+        compiled = torch.compile(plan, fullgraph=True)(cu, cuc)
+        for name, a, e in zip(distributed._Plan._fields, compiled, plan(cu, cuc)):
+            failures.bitwise(a, e, f"P{world} {layout} rank {rank}: compiled plan {name}")
+    torch._dynamo.reset()
     assert not failures, "\n".join(failures)
 
 
