@@ -28,6 +28,15 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def segment_of(offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The s with offsets[s] <= index < offsets[s+1] (a binary search per index), clamped to
+    a valid segment. The search runs over the whole offsets tensor, not a slice of it:
+    Inductor's Triton searchsorted before torch 2.13 drops a sliced boundary tensor's
+    storage offset, which would move every index one segment on under torch.compile."""
+    segment = torch.searchsorted(offsets, index, right=True) - 1
+    return segment.clamp(0, max(offsets.numel() - 2, 0))
+
+
 def _windows(cu_seqlens, cu_seqlens_comp, rows: int, num_tokens: int, ratio: int, coff: int):
     device = cu_seqlens.device
     cu = cu_seqlens.long()
@@ -35,8 +44,7 @@ def _windows(cu_seqlens, cu_seqlens_comp, rows: int, num_tokens: int, ratio: int
     num_segments = cu.numel() - 1
     n = torch.arange(rows, device=device)
     k = torch.arange(coff * ratio, device=device)
-    # Segment of row n: the last s with cuc[s] <= n (a binary search per row).
-    seg = torch.searchsorted(cuc[1:].contiguous(), n, right=True).clamp(max=max(num_segments - 1, 0))
+    seg = segment_of(cuc, n)  # the last s with cuc[s] <= n
     row_valid = (n < cuc[-1]) & (num_segments > 0)
     block = n - cuc[seg]
     t0 = cu[seg] + block * ratio

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import accumulate_dtype
+from .reference import accumulate_dtype, segment_of
 
 FORMATS = ("none", "fp8_ds_mla", "fp8_block128", "mxfp4")
 FP8_MAX = 448.0
@@ -207,7 +207,7 @@ def training_positions(cu_seqlens_comp: torch.Tensor, position_offset: torch.Ten
     num_segments = cuc.numel() - 1
     if num_segments == 0:
         return torch.zeros_like(n), valid
-    segment = torch.searchsorted(cuc[1:].contiguous(), n, right=True).clamp(max=num_segments - 1)
+    segment = segment_of(cuc, n)
     positions = (n - cuc[segment]) * ratio
     if position_offset is not None:
         positions = positions + position_offset.long()[segment]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import accumulate_dtype, pool_windows
+from .reference import accumulate_dtype, pool_windows, segment_of
 from .validation import INT32_MAX
 
 
@@ -103,19 +103,13 @@ def _read(src: _Sources, req, pos, half):
     return value, logit
 
 
-def _segment_of(offsets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The s with offsets[s] <= index < offsets[s+1], clamped to a valid segment."""
-    segment = torch.searchsorted(offsets[1:].contiguous(), index, right=True)
-    return segment.clamp(max=offsets.numel() - 2)
-
-
 def _rows(src: _Sources, cu_seqlens_comp, rows: int, out_dtype) -> torch.Tensor:
     """Emitted rows: block ``start // ratio + n - cuc[req]`` of request ``req``; rows past
     cuc[-1] and rows of invalid requests are exact zeros."""
     device = src.start.device
     cuc = cu_seqlens_comp.long()
     n = torch.arange(rows, device=device)
-    req = _segment_of(cuc, n)
+    req = segment_of(cuc, n)
     block = src.start[req] // src.ratio + n - cuc[req]
     k = torch.arange(src.window, device=device)
     # The window starts coff-1 blocks before the row's own block (with coff 2 the first

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import dispatch, epilogue, reference_epilogue, reference_extend, serving
+from .reference import segment_of
 from .reference_epilogue import FORMATS, EpilogueParams
 
 OP = "csa.compressor_extend_store"
@@ -140,8 +141,7 @@ def _targets(cu_seqlens_comp, start_pos, valid, block_table, rows: int, ratio: i
     q % page_size. Indices are clamped, so nothing here reads out of bounds."""
     cuc = cu_seqlens_comp.long()
     n = torch.arange(rows, device=cuc.device)
-    request = torch.searchsorted(cuc[1:].contiguous(), n, right=True).clamp(
-        max=start_pos.shape[0] - 1)
+    request = segment_of(cuc, n)
     q = start_pos.long().clamp(min=0)[request] // ratio + n - cuc[request]
     column = q // page_size
     width = block_table.shape[1]
@@ -164,7 +164,7 @@ def _check_contents(kv, cu_seqlens, start_pos, slots, kv_state, cos, rope_dim, b
     cuc = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
     valid = torch.ones(start_pos.shape[0], dtype=torch.bool)
     t = _targets(cuc, start_pos, valid, block_table, int(cuc[-1]), ratio, page_size, num_pages)
-    request = torch.searchsorted(cuc[1:], torch.arange(int(cuc[-1])), right=True)
+    request = segment_of(cuc, torch.arange(int(cuc[-1])))
     for n in (~t.in_table).nonzero().flatten().tolist():
         i, q = int(request[n]), int(t.position[n]) // ratio
         column = q // page_size
