@@ -47,8 +47,9 @@ def _native_library_into(root, user_cache) -> None:
 
 @pytest.fixture
 def compile_env():
-    """Fresh dynamo state and no Inductor caches: a cache hit could hand back code compiled
-    before a decomposition or lowering was registered (LOWERING.md Q3)."""
+    """Fresh dynamo state and no Inductor caches: the FX-graph and AOTAutograd caches do not
+    key on registered decompositions or lowerings, so a hit could hand back code compiled
+    before one was registered."""
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True):
         yield
