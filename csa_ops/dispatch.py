@@ -40,6 +40,38 @@ def below_autograd(op: torch._ops.OpOverload, cuda_kernel: Callable, keyset, arg
         return op.redispatch(below, *args)
 
 
+def inference_only(op_name: str, cuda_kernel: Callable):
+    """The Autograd kernel of an inference-only op `csa::<op_name>`: a gradient request is
+    refused, anything else runs below autograd (the pattern opcheck asks of
+    non-differentiable ops)."""
+
+    def autograd_kernel(keyset, *args):
+        if wants_grad(*(a for a in args if isinstance(a, torch.Tensor))):
+            raise RuntimeError(f"csa.{op_name}: inference only: no gradient is defined; call "
+                               "it under torch.no_grad() or torch.inference_mode(), or "
+                               "detach the inputs")
+        return below_autograd(getattr(torch.ops.csa, op_name).default, cuda_kernel, keyset,
+                              args)
+
+    return autograd_kernel
+
+
+def once_differentiable(op_name: str, cuda_kernel: Callable) -> type:
+    """An autograd.Function that runs a backward op `csa::<op_name>` where autograd records
+    it, and refuses a gradient of its gradients (no double backward)."""
+
+    def forward(ctx, keyset, *args):
+        return below_autograd(getattr(torch.ops.csa, op_name).default, cuda_kernel, keyset,
+                              args)
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(f"csa.{op_name}: double backward (a gradient of the "
+                                  "gradients) is not implemented")
+
+    return type(f"{op_name}_function", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
 def wants_grad(*tensors: torch.Tensor) -> bool:
     """Whether autograd must record a call on these (floating-point) tensor arguments."""
     if torch.is_grad_enabled():

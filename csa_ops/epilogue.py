@@ -231,18 +231,8 @@ class _EpilogueFunction(torch.autograd.Function):
         return None, *(by_name.get(name) for name in FORWARD_ARGS)  # None: the keyset
 
 
-class _BackwardFunction(torch.autograd.Function):
-    """csa::compressor_epilogue_backward where autograd records it: no double backward."""
-
-    @staticmethod
-    def forward(ctx, keyset, *args):
-        return dispatch.below_autograd(torch.ops.csa.compressor_epilogue_backward.default,
-                                       _compressor_epilogue_backward, keyset, args)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(f"{BACKWARD_OP}: double backward (a gradient of the "
-                                  f"gradients) is not implemented")
+_BackwardFunction = dispatch.once_differentiable("compressor_epilogue_backward",
+                                                 _compressor_epilogue_backward)
 
 
 def _differentiable(args, names) -> list:

@@ -147,19 +147,7 @@ class _CompressorFunction(torch.autograd.Function):
         return None, *grads, None, None, None, None, None
 
 
-class _BackwardFunction(torch.autograd.Function):
-    """csa::compressor_backward where autograd records it: no double backward."""
-
-    @staticmethod
-    def forward(ctx, keyset, *args):
-        return dispatch.below_autograd(torch.ops.csa.compressor_backward.default,
-                                       _compressor_backward_cuda, keyset, args)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            "csa.compressor_backward: double backward (a gradient of the gradients) is not "
-            "implemented")
+_BackwardFunction = dispatch.once_differentiable("compressor_backward", _compressor_backward_cuda)
 
 
 # The Autograd-key kernels (see csa_ops.dispatch): an autograd.Function where a gradient is

@@ -211,20 +211,12 @@ def _compressor_extend_cuda(kv, score, ape, cu_seqlens, start_pos, slots, kv_sta
     return call(*args)
 
 
-def _no_autograd(keyset, *args):
-    """Inference only: refuse a gradient request, else run the op below autograd (the
-    pattern opcheck asks of non-differentiable ops)."""
-    if dispatch.wants_grad(*(a for a in args if isinstance(a, torch.Tensor))):
-        _fail("inference only: no gradient is defined; call it under torch.no_grad() or "
-              "torch.inference_mode(), or detach the inputs", RuntimeError)
-    return dispatch.below_autograd(torch.ops.csa.compressor_extend.default,
-                                   _compressor_extend_cuda, keyset, args)
-
-
 # CompositeExplicitAutograd: the vectorized reference serves every device; CUDA has a kernel.
 _LIB.impl("compressor_extend", _compressor_extend, "CompositeExplicitAutograd")
 _LIB.impl("compressor_extend", _compressor_extend_cuda, "CUDA")
-_LIB.impl("compressor_extend", _no_autograd, "Autograd", with_keyset=True)
+_LIB.impl("compressor_extend", dispatch.inference_only("compressor_extend",
+                                                       _compressor_extend_cuda),
+          "Autograd", with_keyset=True)
 
 
 def compressor_extend(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,

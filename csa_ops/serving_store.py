@@ -260,17 +260,10 @@ def _compressor_extend_store(kv, *args):
     return extend_store(kv, *args, check_contents=kv.device.type == "cpu")
 
 
-def _no_autograd(keyset, *args):
-    """Inference only: refuse a gradient request, else run the op below autograd."""
-    if dispatch.wants_grad(*(a for a in args if isinstance(a, torch.Tensor))):
-        _fail("inference only: no gradient is defined; call it under torch.no_grad() or "
-              "torch.inference_mode(), or detach the inputs", RuntimeError)
-    return dispatch.below_autograd(torch.ops.csa.compressor_extend_store.default,
-                                   _compressor_extend_store, keyset, args)
-
-
 _LIB.impl("compressor_extend_store", _compressor_extend_store, "CompositeExplicitAutograd")
-_LIB.impl("compressor_extend_store", _no_autograd, "Autograd", with_keyset=True)
+_LIB.impl("compressor_extend_store",
+          dispatch.inference_only("compressor_extend_store", _compressor_extend_store),
+          "Autograd", with_keyset=True)
 
 
 def new_cache(num_pages: int, page_size: int, head_dim: int, cache_format: str,
