@@ -84,6 +84,13 @@ TYPES = {t.name: t for t in (
 DTYPES = ("bfloat16", "float16", "float32")  # what kv / score (a key's dtype) may be
 ARCHS = ("sm_90a", "sm_100a")
 
+# The row-capacity assertion: a call with more rows than its output holds (a static
+# total_comp below the true count) stops with a device-side assertion on CUDA (the kernels
+# print it and trap; the torch paths use torch's own), never dropping rows without a word.
+CAPACITY_CAUSE = "a static total_comp below the true row count"
+CAPACITY_MESSAGE = ("csa_ops: cu_seqlens_comp[-1] exceeds the output rows of the call "
+                    f"({CAPACITY_CAUSE})")
+
 
 class _Knobs:
     """Type checks shared by the knob classes: flags are bools (0 and 1 accepted and stored

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from .config import CAPACITY_MESSAGE
 from .state import STATE
 
 _Key = torch._C.DispatchKey
@@ -29,6 +30,12 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 # (where these ops register nothing) is accepted too, in case a torch version keeps it.
 _CUDA = torch._C.DispatchKeySet(_Key.CUDA)
 _PLAIN_CUDA = frozenset((_CUDA.raw_repr(), _CUDA.add(_Key.ADInplaceOrView).raw_repr()))
+
+
+def assert_rows_fit(cu_seqlens_comp: torch.Tensor, num_rows: int) -> None:
+    """The kernels' row-capacity assertion where a CUDA call runs the torch reference: a
+    device-side assert of cu_seqlens_comp[-1] <= num_rows (no host sync, capturable)."""
+    torch._assert_async(cu_seqlens_comp[-1] <= num_rows, CAPACITY_MESSAGE)
 
 
 def below_autograd(op: torch._ops.OpOverload, cuda_kernel: Callable, keyset, args):

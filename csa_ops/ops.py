@@ -74,7 +74,10 @@ def _prepare_cuda(signature, direction, tensors, ratio, coff, total_comp, check)
         run = (reference.compressor_backward_reference if direction == "bwd"
                else reference.compressor_reference)
 
+        rows = tensors[0].shape[0] if direction == "bwd" else total_comp
+
         def call(*args):
+            dispatch.assert_rows_fit(args[-1], rows)  # args[-1]: cu_seqlens_comp
             return run(*_contiguous(*args), *scalars)
 
     return _PREPARED.remember(signature, call, (*tensors, *scalars), len(tensors))

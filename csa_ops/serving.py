@@ -180,8 +180,11 @@ def _prepare_cuda(signature, args, ratio: int, coff: int, rows: int, total_comp)
 
     def reference(*tensors):
         kv, score, ape = (t.contiguous() for t in tensors[:3])
-        return reference_extend.compressor_extend_reference(
+        out, cu_seqlens_comp = reference_extend.compressor_extend_reference(
             kv, score, ape, *tensors[3:], ratio, coff, total_comp)
+        if total_comp is not None:
+            dispatch.assert_rows_fit(cu_seqlens_comp, total_comp)
+        return out, cu_seqlens_comp
 
     if problem is None or _kernel_extent(problem, rows, kv, kv_state) > INT32_MAX:
         return _PREPARED.remember(signature, reference)

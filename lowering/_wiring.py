@@ -13,13 +13,16 @@ import logging
 import sympy
 import torch
 from torch._inductor import decomposition as inductor_decomp
-from torch._inductor.lowering import fallback_handler, register_lowering
+from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
 from torch._inductor.virtualized import V
+
+from csa_ops.config import CAPACITY_MESSAGE
 
 from . import _generate, policy
 
 FWD = torch.ops.csa.compressor.default
 BWD = torch.ops.csa.compressor_backward.default
+aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
 
@@ -54,6 +57,32 @@ def _generate_or_fall_back(op, build, args):
         return _extern(op, *args)
 
 
+def _assert_rows_fit(cuc, rows) -> None:
+    """The op's row-capacity assertion in generated code, as the kernels make it: a
+    device-side assert of cu_seqlens_comp[-1] <= rows (Inductor's own, no host sync)."""
+    last = lowerings[aten.select.int](cuc, 0, -1)
+    _extern(aten._assert_async.msg, lowerings[aten.le.Scalar](last, rows), CAPACITY_MESSAGE)
+
+
+# The assertion goes after the generated IR: before it, the extern call would sit between
+# the op's producers and the op, splitting kernels Inductor fuses (the generated code keeps
+# every access in bounds whatever the offsets, so running first is safe).
+def _generate_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp):
+    out = _generate.forward(_generate.make_problem(kv, score, ape, cu, cuc, ratio, coff),
+                            total_comp)
+    _assert_rows_fit(cuc, total_comp)
+    return out
+
+
+def _generate_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
+    grads = _generate.backward(_generate.make_problem(kv, score, ape, cu, cuc, ratio, coff),
+                               grad_out)
+    for grad in grads:
+        grad.realize()
+    _assert_rows_fit(cuc, grad_out.get_size()[0])
+    return grads
+
+
 def _lower_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
     ratio, coff = _static(ratio), _static(coff)
     args = (kv, score, ape, cu, cuc, ratio, coff, total_comp)
@@ -61,8 +90,7 @@ def _lower_forward(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
                          _head_dim_fn(kv, coff), _static_tokens(kv.get_size()[0]))
     if path == "extern" or total_comp is None:
         return _extern(FWD, *args)
-    return _generate_or_fall_back(FWD, lambda: _generate.forward(
-        _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff), total_comp), args)
+    return _generate_or_fall_back(FWD, lambda: _generate_forward(*args), args)
 
 
 def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
@@ -72,8 +100,7 @@ def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
                          _head_dim_fn(kv, coff))
     if path == "extern":
         return _extern(BWD, *args)
-    return _generate_or_fall_back(BWD, lambda: _generate.backward(
-        _generate.make_problem(kv, score, ape, cu, cuc, ratio, coff), grad_out), args)
+    return _generate_or_fall_back(BWD, lambda: _generate_backward(*args), args)
 
 
 def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):

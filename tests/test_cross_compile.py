@@ -205,3 +205,36 @@ def test_supports_config_is_the_metadata_half_of_supports(monkeypatch):
     assert not host.supports_config(torch.device("cpu"), torch.bfloat16, 4, 2, 128)
     monkeypatch.setattr(host, "_device_info", lambda device: (None, 132))
     assert not host.supports_config(cuda, torch.bfloat16, 4, 2, 128)
+
+
+# Every call's launches stop on more rows than the output holds: (family, ratio, coff,
+# head_dim, direction, knob overrides, whether this launch holds the check). Of a split
+# extend call's two launches, the one that writes the row total checks it: the second for
+# register windows, the first for the streaming family.
+ROW_CAPACITY_CASES = (
+    ("window", 4, 2, 128, "fwd", {}, True),
+    ("window", 4, 2, 128, "bwd", {}, True),
+    ("streaming", 128, 2, 512, "fwd", {}, True),
+    ("streaming", 128, 1, 128, "bwd", {}, True),
+    ("window", 4, 2, 512, "ext", {}, True),
+    ("window", 4, 2, 512, "ext", {"vec": 2, "threads": 128, "request_rows": 1}, True),
+    ("window", 4, 2, 512, "ext", {"part": 1}, False),
+    ("window", 4, 2, 512, "ext", {"part": 2}, True),
+    ("window", 4, 2, 512, "ext", {"part": 2, "lane_requests": 1}, True),
+    ("streaming", 128, 1, 512, "ext", {}, True),
+    ("streaming", 128, 1, 512, "ext", {"part": 1}, True),
+    ("streaming", 128, 1, 512, "ext", {"part": 2}, False),
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", ROW_CAPACITY_CASES,
+                         ids=[f"{c[0]}-{c[4]}-" + ("-".join(f"{k}{v}" for k, v in c[5].items())
+                                                   or "default") for c in ROW_CAPACITY_CASES])
+def test_kernels_assert_the_row_capacity(case, arch):
+    family, ratio, coff, head_dim, direction, knobs, checks = case
+    key = with_knobs(FAMILIES[family].configure(ratio, coff, head_dim, "bfloat16", arch,
+                                                Direction(direction)), **knobs)
+    main = host.ptx(direction, key).split(".entry")[1]  # the grad_ape sum reads no offsets
+    # The message goes out before the trap: one printf and one trap per check site.
+    assert main.count("trap;") == main.count("vprintf,") == int(checks)

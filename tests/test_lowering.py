@@ -35,6 +35,7 @@ from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import csa_ops
 from csa_ops import lowering, reference
+from csa_ops.config import CAPACITY_MESSAGE
 
 pytestmark = pytest.mark.skipif(not lowering.available, reason="csa_ops.lowering not registered")
 
@@ -58,6 +59,13 @@ def _numel(shape):
 
 def _kernels(code: str):
     return re.findall(r"^(cpp_fused_\w+) = ", code, flags=re.MULTILINE)
+
+
+def _capacity_checks(code: str):
+    """The kernels that compute only the row-capacity assertion's condition (an int32 offset
+    in, a bool out, handed to aten._assert_async)."""
+    return re.findall(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\("
+                      r"\['const int32_t\*', 'bool\*'\]", code, flags=re.MULTILINE)
 
 
 def _extern_ops(code: str):
@@ -323,9 +331,14 @@ def test_compressor_block_modes(mode, compile_env):
         assert _extern_ops(fwd_code) == ["compressor"]
         assert _extern_ops(bwd_code) == ["compressor_backward"]
         return
-    # Generated: the op and the RMSNorm in one C++ kernel, nothing window-sized.
+    # Generated: the op and the RMSNorm in one C++ kernel, nothing window-sized; beside it
+    # the row-capacity assertion (its condition in a kernel of its own in the forward, in
+    # the backward's one kernel).
     assert _extern_ops(fwd_code) == [] and _extern_ops(bwd_code) == []
-    (kernel,) = _kernels(fwd_code)
+    for code in (fwd_code, bwd_code):
+        assert code.count("aten._assert_async.msg(") == 1
+    (check,) = _capacity_checks(fwd_code)
+    (kernel,) = set(_kernels(fwd_code)) - {check}
     assert "compressor" in kernel and "rsqrt" in kernel
     assert len(_kernels(bwd_code)) == 1
     _assert_no_window_buffer(fwd_code, rows, BLOCK_PACK)
@@ -382,6 +395,28 @@ def test_all_segments_short_data_dependent(compile_env):
     assert out.shape == (0, 5)
     for grad in (grad_kv, grad_score, grad_ape):
         assert torch.count_nonzero(grad) == 0
+
+
+@pytest.mark.parametrize("dynamic", (False, True), ids=("static", "dynamic"))
+def test_generated_code_asserts_the_row_capacity(dynamic, compile_env):
+    """A capacity below the true count stops the compiled forward and backward with the
+    kernels' assertion (aten._assert_async: torch's device-side assert on CUDA), as eager
+    refuses it; the true count and larger capacities run."""
+    spec = PackSpec((17, 9, 12), ratio=4, coff=2, head_dim=6)
+    pack = make_pack(spec)
+    rows = spec.true_rows
+    forward = torch.compile(torch.ops.csa.compressor, fullgraph=True, dynamic=dynamic)
+    backward = torch.compile(torch.ops.csa.compressor_backward, fullgraph=True,
+                             dynamic=dynamic)
+    with use_lowering_mode("generate"):
+        for capacity in (rows, rows + 3):
+            assert forward(*pack.args(total_comp=capacity)).shape == (capacity, 6)
+            backward(pack.grad_out(total_comp=capacity), *pack.tensors(), 4, 2)
+        message = re.escape(CAPACITY_MESSAGE)
+        with pytest.raises(RuntimeError, match=message):
+            forward(*pack.args(total_comp=rows - 1))
+        with pytest.raises(RuntimeError, match=message):
+            backward(pack.grad_out(total_comp=rows - 1), *pack.tensors(), 4, 2)
 
 
 def test_no_stale_code_across_modes():
@@ -458,7 +493,9 @@ class <lambda>(torch.nn.Module):
         return (relu,)
 """)
         self.assertExpectedInline(digest(code), """\
-kernel cpp_fused_compressor_relu_0
+kernel cpp_fused_compressor_0
+kernel cpp_fused_compressor_relu_1
+buffer () bool
 buffer (u0, 4) float32""")
 
     def test_pin_block_forward_backward(self):
@@ -467,9 +504,11 @@ buffer (u0, 4) float32""")
         with use_lowering_mode("generate"):
             _, codes = run_and_get_code(_module_step, compiled, x, cu, cuc, BLOCK_PACK.capacity)
         self.assertExpectedInline("\n---\n".join(digest(c) for c in codes), """\
-kernel cpp_fused_add_compressor_mean_mul_pow_rsqrt_0
+kernel cpp_fused_compressor_0
+kernel cpp_fused_add_compressor_mean_mul_pow_rsqrt_1
 buffer (46, 64) float32
 buffer (46, 64) float32
+buffer () bool
 buffer (13, 32) float32
 buffer (13, 1) float32
 buffer (13, 32) float32
@@ -483,6 +522,7 @@ buffer (13, 32) float32
 buffer (4, 64) float32
 buffer (46, 64) float32
 buffer (46, 64) float32
+buffer () bool
 buffer (64, 16) float32
 buffer (46, 16) float32
 buffer (64, 16) float32

@@ -196,7 +196,8 @@ def test_misaligned_views_fall_back_to_copies():
 @pytest.mark.parametrize("seed", range(4))
 def test_adversarial_offsets_stay_in_bounds(seed):
     # Offsets that are non-monotonic, negative, past T or huge must not fault; the result is
-    # unspecified, but every later kernel on the device must still run.
+    # unspecified, but every later kernel on the device must still run. cu_seqlens_comp[-1]
+    # stays within the capacity: past it the kernels stop the call (test_row_capacity_gpu).
     gen = torch.Generator().manual_seed(seed)
     spec = PackSpec((64, 64), ratio=4, coff=2, head_dim=64, extra_rows=4)
     pack = _pack(spec, torch.bfloat16, seed=seed)
@@ -204,6 +205,7 @@ def test_adversarial_offsets_stay_in_bounds(seed):
         choices = torch.tensor([0, 1, 5, 64, 127, 128, 129, 10**6, -1, -(2**31), 2**31 - 1])
         cu = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32)
         cuc = choices[torch.randint(len(choices), (3,), generator=gen)].to(torch.int32)
+        cuc[-1] = min(int(cuc[-1]), spec.capacity)
         args = (pack.kv, pack.score, pack.ape, cu.cuda(), cuc.cuda(), 4, 2)
         host.run_forward(*args, spec.capacity)
         host.run_backward(_grad_out(spec, torch.bfloat16), *args)
@@ -211,22 +213,6 @@ def test_adversarial_offsets_stay_in_bounds(seed):
     out = host.run_forward(*pack.tensors(), 4, 2, spec.capacity)
     _forward_like_reference(out, eager_region(*pack.args()), spec,
                             "forward after adversarial")
-
-
-def test_capacity_smaller_than_true_count_drops_rows():
-    spec = PackSpec((64, 32), ratio=4, coff=2, head_dim=64)
-    pack = _pack(spec, torch.bfloat16, seed=8)
-    rows = spec.true_rows - 5
-    grad_out = _grad_out(spec, torch.bfloat16)[:rows].contiguous()
-    args = (*pack.tensors(), 4, 2)
-    out = host.run_forward(*args, rows)
-    full = eager_region(*pack.args())
-    _forward_like_reference(out, full[:rows], spec, "forward truncated")
-    gkv, _, _ = host.run_backward(grad_out, *args)
-    padded = torch.cat([grad_out, torch.zeros_like(full[rows:])])
-    rkv, _, _ = _reference_grads(pack, padded)
-    # Dropped rows feed nothing: the same as zero gradients.
-    assert_bitwise_equal(gkv, rkv, "grad_kv truncated")
 
 
 def test_graph_capture_needs_precompile_and_replays():

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, cute
+from cutlass._mlir.dialects import llvm
 from cutlass._mlir_helpers.math import RoundingMode
 
-from ...config import TYPES
+from ...config import CAPACITY_MESSAGE, TYPES
 from . import torch_order
 
 _RN = RoundingMode.NEAREST_EVEN
@@ -212,6 +213,29 @@ def token_bounds(
             seg_end, own_from, prev_from = segment_bounds(
                 cuc, s, u0, u1, num_tokens, num_rows, ratio)
     return seg_end, own_from, prev_from
+
+
+@cute.jit
+def assert_rows_fit(rows: Int32, num_rows: Int32):
+    """Stop the grid when a call has more rows than its output holds (a static capacity
+    below the true count), whose rows past the capacity would otherwise be lost without a
+    word. As torch's device-side asserts do: a message (config.CAPACITY_MESSAGE), then a
+    trap, which fails the launch and leaves the CUDA context in error, so the next
+    synchronization raises. The message has no arguments: printf's argument buffer would
+    put local memory into every kernel. One thread per grid calls it (each caller prints)."""
+    if rows > num_rows:
+        cute.printf(CAPACITY_MESSAGE)
+        llvm.intr_trap()
+
+
+@cute.jit
+def assert_offsets_fit(cuc: cute.Tensor, num_segs: Int32, num_rows: Int32):
+    """assert_rows_fit of cu_seqlens_comp[-1] (cuc holds num_segs + 1 offsets), checked by
+    the first thread of the grid's first CTA: one load, after the PDL wait."""
+    tid, _, _ = cute.arch.thread_idx()
+    bx, by, bz = cute.arch.block_idx()
+    if tid == 0 and bx == 0 and by == 0 and bz == 0:
+        assert_rows_fit(cuc[num_segs], num_rows)
 
 
 @cute.jit

@@ -329,6 +329,7 @@ class StreamingExtend(StreamingKernel):
                              num_reqs, num_rows, bid))
         if bid == 0 and tid == 0:
             mCuc[num_reqs] = total
+            cm.assert_rows_fit(total, num_rows)
         cute.arch.barrier()
 
         tiles = (sTile, sLg, gApe, sRed, self._scratch(smem, sRed), gKV, gSc, gKVs, gSs, gOut)

@@ -255,6 +255,7 @@ class StreamingKernel:
                gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32, groups: Int32):
         cm.await_upstream(self.pdl)
+        cm.assert_offsets_fit(mCuc, num_segs, num_rows)
         thr = self._coordinates()
         tid, rg = thr.tid, thr.rg
         smem = cutlass.memory.SmemAllocator()

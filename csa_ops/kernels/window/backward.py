@@ -148,6 +148,7 @@ class WindowBackward(WindowKernel):
         cv = by * self.cvc + cvl
         cu = cute.make_tensor(p_cu, num_segs + 1)
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
+        cm.assert_offsets_fit(cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
         # Each thread owns W vectors of V partials (one per window entry), contiguous, so

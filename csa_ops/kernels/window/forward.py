@@ -27,6 +27,7 @@ class WindowForward(WindowKernel):
         n = bx * self.rpc + tid // self.cvc
         cu = cute.make_tensor(p_cu, num_segs + 1)
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
+        cm.assert_offsets_fit(cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
         rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
