@@ -191,17 +191,9 @@ def _compressor_epilogue_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqle
     if kv.device.type == "cpu":
         _check_contents(BACKWARD_OP, kv, cu_seqlens, cu_seqlens_comp, ratio, cos, rope_dim,
                         position_offset, rows, rows_name="`grad_out` row count")
-    # The forward saved inputs, not rows: pool again, at grad_out's row count (no sync).
-    pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
-                                              ratio, coff, rows)
-    positions, valid = reference_epilogue.training_positions(cu_seqlens_comp, position_offset,
-                                                             rows, ratio)
-    params = _params(norm_weight, eps, cos, sin, rope_dim, rotate)
-    grad_pooled, grad_weight = reference_epilogue.epilogue_rows_backward(
-        grad_out.contiguous(), pooled, positions, valid, params)
-    grad_kv, grad_score, grad_ape = torch.ops.csa.compressor_backward.default(
-        grad_pooled, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
-    return grad_kv, grad_score, grad_ape, grad_weight
+    return reference_epilogue.compressor_epilogue_backward_reference(
+        grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+        _params(norm_weight, eps, cos, sin, rope_dim, rotate), position_offset)
 
 
 # What the forward keeps for the backward: its inputs, never rows.

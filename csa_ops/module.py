@@ -1,23 +1,33 @@
-"""A DeepSeek-V4-style Compressor block built on the op: linears, gated pooling, RMSNorm."""
+"""A DeepSeek-V4-style Compressor block built on the op: linears, gated pooling, RMSNorm,
+and with RoPE tables RoPE on the last columns (the indexer's compressor also rotates)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .epilogue import compressor_epilogue
 from .ops import compressor
 from .serving import CompressorState
 
 
 class Compressor(nn.Module):
     """``wkv``/``wgate`` project tokens to ``coff*head_dim`` features, the op pools every
-    ``ratio`` tokens into one row, an RMSNorm over ``head_dim`` normalizes the rows."""
+    ``ratio`` tokens into one row, an RMSNorm over ``head_dim`` normalizes the rows.
+
+    With ``rope_dim`` > 0 (the model's: 64) the forward takes RoPE tables ``cos``/``sin``
+    (``(max_position, rope_dim // 2)`` fp32) and turns the last ``rope_dim`` columns of
+    each row at its block's first position (plus ``position_offset`` per sequence);
+    ``rotate`` adds the indexer's Hadamard rotation. Those forwards run the fused op
+    ``csa::compressor_epilogue`` (see ``csa_ops.compressor_epilogue``), the others the op
+    and ``nn.RMSNorm``."""
 
     def __init__(self, dim: int, head_dim: int, ratio: int, coff: int, eps: float = 1e-6,
-                 device=None, dtype=None):
+                 device=None, dtype=None, rope_dim: int = 0, rotate: bool = False):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.ratio, self.coff, self.head_dim = ratio, coff, head_dim
+        self.rope_dim, self.rotate = rope_dim, rotate
         self.wkv = nn.Linear(dim, coff * head_dim, bias=False, **factory)
         self.wgate = nn.Linear(dim, coff * head_dim, bias=False, **factory)
         # The position embedding of the gate logits starts fp32 whatever the factory dtype (as
@@ -28,10 +38,22 @@ class Compressor(nn.Module):
         nn.init.normal_(self.ape, std=0.02)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor,
-                total_comp: int | None = None) -> torch.Tensor:
-        pooled = compressor(self.wkv(x), self.wgate(x), self.ape, cu_seqlens, cu_seqlens_comp,
-                            ratio=self.ratio, coff=self.coff, total_comp=total_comp)
-        return self.norm(pooled)
+                total_comp: int | None = None, cos: torch.Tensor | None = None,
+                sin: torch.Tensor | None = None,
+                position_offset: torch.Tensor | None = None) -> torch.Tensor:
+        kv, score = self.wkv(x), self.wgate(x)
+        if self.rope_dim == 0 and not self.rotate:
+            if cos is not None or sin is not None or position_offset is not None:
+                raise ValueError("Compressor: `cos`, `sin` and `position_offset` need a block "
+                                 "built with rope_dim > 0")
+            pooled = compressor(kv, score, self.ape, cu_seqlens, cu_seqlens_comp,
+                                ratio=self.ratio, coff=self.coff, total_comp=total_comp)
+            return self.norm(pooled)
+        return compressor_epilogue(
+            kv, score, self.ape, cu_seqlens, cu_seqlens_comp, ratio=self.ratio, coff=self.coff,
+            norm_weight=self.norm.weight, eps=self.norm.eps, cos=cos, sin=sin,
+            rope_dim=self.rope_dim, position_offset=position_offset, rotate=self.rotate,
+            total_comp=total_comp)
 
     @torch.no_grad()
     def extend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,

@@ -226,6 +226,24 @@ def compressor_epilogue_reference(kv, score, ape, cu_seqlens, cu_seqlens_comp, r
     return epilogue_rows(pooled, positions, valid, params)
 
 
+def compressor_epilogue_backward_reference(grad_out, kv, score, ape, cu_seqlens,
+                                           cu_seqlens_comp, ratio: int, coff: int,
+                                           params: EpilogueParams, position_offset=None):
+    """(grad_kv, grad_score, grad_ape, grad_weight) of ``compressor_epilogue_reference``: the
+    pooled rows recomputed at grad_out's row count (the forward keeps inputs, not rows; no
+    sync), ``epilogue_rows_backward``, then csa::compressor_backward (its CUDA kernel on
+    CUDA)."""
+    rows = grad_out.shape[0]
+    pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                              ratio, coff, rows)
+    positions, valid = training_positions(cu_seqlens_comp, position_offset, rows, ratio)
+    grad_pooled, grad_weight = epilogue_rows_backward(grad_out.contiguous(), pooled, positions,
+                                                      valid, params)
+    grad_kv, grad_score, grad_ape = torch.ops.csa.compressor_backward.default(
+        grad_pooled, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
+    return grad_kv, grad_score, grad_ape, grad_weight
+
+
 def compressor_epilogue_oracle(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int,
                                coff: int, params: EpilogueParams, position_offset=None,
                                total_comp=None) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Inductor integration of csa::compressor: generated kernels or the opaque op, by policy.
 
 ``csa_ops.lowering.mode`` ("auto" | "extern" | "generate", initial value from the
-environment variable CSA_OPS_LOWERING) picks the path; see ``policy``. The integration uses
+environment variable CSA_OPS_LOWERING) picks the path; see ``policy``.
+``csa_ops.lowering.fuse_rms_norm = True`` (or CSA_OPS_FUSE_RMSNORM=1) rewrites the op
+followed by an RMSNorm into csa::compressor_epilogue (``_fuse_norm``). The integration uses
 Inductor internals, so it is registered only on the tested torch releases (``TORCH_RANGE``:
 2.11 to 2.15) and can be switched off with CSA_OPS_LOWERING_DISABLE=1; without it the op
 compiles as an opaque extern call. ``available`` says whether it is registered.
@@ -20,12 +22,13 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _versions, policy
-from .policy import MODES, get_mode, set_mode
+from .policy import MODES, get_fuse_rms_norm, get_mode, set_fuse_rms_norm, set_mode
 
 # The tested range, first and last (major, minor): the lowering's tests pass on torch 2.11,
 # 2.12, 2.13, 2.14 and 2.15, one code path with two version adapters in _generate (the
-# round-to-nearest ops, which 2.11 lacks; the C++ backend's conversion cache before 2.13). A release outside it may have
-# moved the Inductor internals used here: there torch.compile keeps the opaque op, and warns.
+# round-to-nearest ops, which 2.11 lacks; the C++ backend's conversion cache before 2.13).
+# A release outside it may have moved the Inductor internals used here: there torch.compile
+# keeps the opaque op, and warns.
 TORCH_RANGE = ((2, 11), (2, 15))
 DISABLE_ENV = "CSA_OPS_LOWERING_DISABLE"
 
@@ -93,8 +96,17 @@ class _PolicyModule(types.ModuleType):
     def mode(self, value: str) -> None:
         set_mode(value)
 
+    @property
+    def fuse_rms_norm(self) -> bool:
+        return get_fuse_rms_norm()
+
+    @fuse_rms_norm.setter
+    def fuse_rms_norm(self, value: bool) -> None:
+        set_fuse_rms_norm(value)
+
 
 sys.modules[__name__].__class__ = _PolicyModule
 
-__all__ = ["MODES", "TORCH_RANGE", "available", "ensure_registered", "get_mode", "mode",
-           "set_mode", "tested_range", "torch_supported"]
+__all__ = ["MODES", "TORCH_RANGE", "available", "ensure_registered", "fuse_rms_norm",
+           "get_fuse_rms_norm", "get_mode", "mode", "set_fuse_rms_norm", "set_mode",
+           "tested_range", "torch_supported"]

@@ -1,4 +1,6 @@
-"""Registers the Inductor lowerings of csa::compressor / csa::compressor_backward.
+"""Registers the Inductor lowerings of csa::compressor / csa::compressor_backward, and the
+decompositions of the epilogue ops (csa::compressor_epilogue and its backward) under the
+"generate" mode.
 
 Each lowering asks ``policy.choose`` and either emits the generated IR (``_generate``) or
 calls the opaque op as an extern kernel. ``total_comp=None`` (a data-dependent row count)
@@ -16,12 +18,15 @@ from torch._inductor import decomposition as inductor_decomp
 from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
 from torch._inductor.virtualized import V
 
+from csa_ops import reference_epilogue
 from csa_ops.config import CAPACITY_MESSAGE
 
 from . import _generate, policy
 
 FWD = torch.ops.csa.compressor.default
 BWD = torch.ops.csa.compressor_backward.default
+EPILOGUE = torch.ops.csa.compressor_epilogue.default
+EPILOGUE_BWD = torch.ops.csa.compressor_epilogue_backward.default
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
@@ -106,8 +111,9 @@ def _lower_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff):
 def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=None):
     if total_comp is not None:
         return NotImplemented
-    # int() specialises a symbolic width; only asked for when the answer depends on it.
-    head_dim = lambda: int(kv.shape[1]) // coff
+    def head_dim():  # int() specialises a symbolic width: asked only when the answer needs it
+        return int(kv.shape[1]) // coff
+
     tokens = _static_tokens(kv.shape[0])
     if policy.choose("fwd", kv.device, kv.dtype, ratio, coff, head_dim, tokens) == "extern":
         return NotImplemented
@@ -116,7 +122,47 @@ def _decompose_data_dependent(kv, score, ape, cu, cuc, ratio, coff, total_comp=N
     return FWD(kv, score, ape, cu, cuc, ratio, coff, rows)
 
 
+# The epilogue ops under "generate": their composition (csa::compressor's rows, then the
+# norm, RoPE and rotation as torch ops; the backward recomputes the rows), so that Inductor
+# generates the pooling and fuses the epilogue into it. Elsewhere they stay opaque: compiled
+# code then runs the op's own implementation and gives eager's bits.
+def _epilogue_generates(kv) -> bool:
+    """"generate", for rows whose roundings Inductor keeps: fp32 and fp64 rows, or 16-bit
+    ones under torch._inductor.config.emulate_precision_casts. Without it Inductor drops the
+    rounding to bf16/fp16 between the epilogue's steps inside a fused kernel (bf16 rows came
+    out up to 73 steps off eager on the CPU), so 16-bit rows keep the opaque op."""
+    if policy.get_mode() != "generate":
+        return False
+    return (kv.dtype in (torch.float32, torch.float64)
+            or bool(torch._inductor.config.emulate_precision_casts))
+
+
+def _decompose_epilogue(kv, score, ape, cu, cuc, ratio, coff, norm_weight, eps, cos, sin,
+                        rope_dim, position_offset, rotate, total_comp=None):
+    if not _epilogue_generates(kv):
+        return NotImplemented
+    params = reference_epilogue.EpilogueParams(norm_weight, eps, cos, sin, rope_dim, rotate)
+    return reference_epilogue.compressor_epilogue_reference(
+        kv, score, ape, cu, cuc, ratio, coff, params, position_offset, total_comp)
+
+
+def _decompose_epilogue_backward(grad_out, kv, score, ape, cu, cuc, ratio, coff, norm_weight,
+                                 eps, cos, sin, rope_dim, position_offset, rotate):
+    if not _epilogue_generates(kv):
+        return NotImplemented
+    params = reference_epilogue.EpilogueParams(norm_weight, eps, cos, sin, rope_dim, rotate)
+    return reference_epilogue.compressor_epilogue_backward_reference(
+        grad_out, kv, score, ape, cu, cuc, ratio, coff, params, position_offset)
+
+
 def register() -> None:
     register_lowering(FWD, type_promotion_kind=None)(_lower_forward)
     register_lowering(BWD, type_promotion_kind=None)(_lower_backward)
     inductor_decomp.register_decomposition(FWD)(_decompose_data_dependent)
+    for op, decompose in ((EPILOGUE, _decompose_epilogue),
+                          (EPILOGUE_BWD, _decompose_epilogue_backward)):
+        inductor_decomp.register_decomposition(op)(decompose)
+        # Where the decomposition declines: the opaque op (Inductor refuses an implicit
+        # fallback for an op with a decomposition).
+        register_lowering(op, type_promotion_kind=None)(
+            lambda *args, op=op: _extern(op, *args))

@@ -20,9 +20,10 @@ import torch
 
 MODES = ("auto", "extern", "generate")
 ENV = "CSA_OPS_LOWERING"
+FUSE_RMS_NORM_ENV = "CSA_OPS_FUSE_RMSNORM"
 
 _USER_TAG = torch.compiler.config.cache_key_tag
-_state = {"mode": "auto"}
+_state = {"mode": "auto", "fuse_rms_norm": False}
 
 
 def _source_digest() -> str:
@@ -73,7 +74,30 @@ def set_mode(value: str) -> None:
     torch.compiler.reset()
 
 
+def get_fuse_rms_norm() -> bool:
+    return _state["fuse_rms_norm"]
+
+
+def set_fuse_rms_norm(value: bool) -> None:
+    """Whether torch.compile rewrites csa::compressor followed by an RMSNorm into
+    csa::compressor_epilogue (lowering/_fuse_norm.py); frames compiled before are dropped."""
+    if not isinstance(value, bool):
+        raise ValueError(f"csa_ops.lowering.fuse_rms_norm must be a bool, got {value!r}")
+    from . import _fuse_norm
+
+    _fuse_norm.install(value)
+    if value != _state["fuse_rms_norm"]:
+        _state["fuse_rms_norm"] = value
+        torch.compiler.reset()  # Dynamo does not guard on it either
+
+
 def init_from_env() -> None:
+    fuse = os.environ.get(FUSE_RMS_NORM_ENV, "0").strip()
+    if fuse not in ("", "0", "1"):
+        raise ValueError(f"environment variable {FUSE_RMS_NORM_ENV}: must be 0 or 1, got "
+                         f"{fuse!r}")
+    if fuse == "1":
+        set_fuse_rms_norm(True)
     raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
     try:
         _state["mode"] = _validated(raw)

@@ -11,20 +11,12 @@ import torch
 from csa_ops import shapes, validation
 
 from . import epilogue, serving  # noqa: F401  (the fakes of the epilogue and serving ops)
-
-
-def _register_lowering() -> None:
-    # Every trace calls a fake before Inductor lowers or picks its decompositions, so the
-    # integration is registered here rather than at ``import csa_ops``: importing Inductor
-    # takes seconds, and ``import csa_ops`` must stay within a fraction of ``import torch``.
-    from csa_ops import lowering
-
-    lowering.ensure_registered()
+from ._lowering import register_lowering
 
 
 @torch.library.register_fake("csa::compressor")
 def compressor_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp=None):
-    _register_lowering()
+    register_lowering()
     validation.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp)
     # None: the row count is cu_seqlens_comp[-1], known only from the data.
     rows = total_comp if total_comp is not None else torch.library.get_ctx().new_dynamic_size()
@@ -33,7 +25,7 @@ def compressor_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, to
 
 @torch.library.register_fake("csa::compressor_backward")
 def compressor_backward_fake(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff):
-    _register_lowering()
+    register_lowering()
     validation.check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
                                         ratio, coff)
     return shapes.empty_backward(kv, score, ape)

@@ -12,11 +12,14 @@ import torch
 
 from csa_ops import epilogue, serving_store, shapes
 
+from ._lowering import register_lowering
+
 
 @torch.library.register_fake("csa::compressor_epilogue")
 def compressor_epilogue_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
                              norm_weight, eps, cos, sin, rope_dim, position_offset, rotate,
                              total_comp=None):
+    register_lowering()  # its "generate" decomposition
     epilogue.check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
                              norm_weight, eps, cos, sin, rope_dim, position_offset, rotate,
                              total_comp)
@@ -29,6 +32,7 @@ def compressor_epilogue_fake(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio,
 def compressor_epilogue_backward_fake(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
                                       ratio, coff, norm_weight, eps, cos, sin, rope_dim,
                                       position_offset, rotate):
+    register_lowering()
     epilogue.check_backward_arguments(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
                                       ratio, coff, norm_weight, eps, cos, sin, rope_dim,
                                       position_offset, rotate)

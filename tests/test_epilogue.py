@@ -17,6 +17,7 @@ from helpers import PackSpec, assert_bitwise_equal, assert_within_one_step, make
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import csa_ops
 from csa_ops import epilogue, reference_epilogue
 
 FORWARD = torch.ops.csa.compressor_epilogue.default
@@ -317,6 +318,32 @@ class EpilogueBlock(torch.nn.Module):
             total_comp=c.total_comp)
 
 
+@pytest.mark.parametrize("rotate", (False, True), ids=("rope", "rope_rot"))
+def test_compressor_block_with_rope_tables_runs_the_fused_op(rotate):
+    """csa_ops.Compressor built with rope_dim: its forward is the fused op on its projections
+    and norm (bitwise the direct call, gradients to every parameter, the norm's weight
+    included); built without, RoPE arguments are an error naming them."""
+    from csa_ops.module import offsets_for
+
+    torch.manual_seed(0)
+    block = csa_ops.Compressor(24, 64, 4, 2, rope_dim=16, rotate=rotate)
+    cu, cuc = offsets_for([13, 0, 9], 4)
+    x = torch.randn(22, 24)
+    cos, sin = rope_tables(16)
+    offsets = torch.tensor([3, 0, 5], dtype=torch.int32)
+    out = block(x, cu, cuc, 7, cos=cos, sin=sin, position_offset=offsets)
+    want = epilogue.compressor_epilogue(
+        block.wkv(x), block.wgate(x), block.ape, cu, cuc, ratio=4, coff=2,
+        norm_weight=block.norm.weight, eps=1e-6, cos=cos, sin=sin, rope_dim=16,
+        position_offset=offsets, rotate=rotate, total_comp=7)
+    assert_bitwise_equal(out, want, "block rows")
+    out.square().sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in block.parameters())
+    plain = csa_ops.Compressor(24, 64, 4, 2)
+    with pytest.raises(ValueError, match="`cos`, `sin` and `position_offset`"):
+        plain(x, cu, cuc, 7, cos=cos, sin=sin)
+
+
 def test_compile_fullgraph_block_equals_eager_bitwise(compile_env):
     torch.manual_seed(0)
     case = Case((13, 0, 9, 4), 4, 2, 64, torch.float32, 64, True)
@@ -336,6 +363,63 @@ def test_compile_fullgraph_block_equals_eager_bitwise(compile_env):
     compiled = step(torch.compile(block, fullgraph=True))
     for i, (a, b) in enumerate(zip(compiled, eager)):
         assert_bitwise_equal(a, b, f"output {i}")
+
+
+@pytest.mark.parametrize("emulate", (False, True), ids=("", "emulated_casts"))
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=_id)
+def test_generate_mode_compiles_the_composition_and_other_modes_keep_the_op(case, emulate,
+                                                                           compile_env):
+    """Under csa_ops.lowering "generate" the epilogue ops decompose into their composition,
+    so Inductor generates the pooling and fuses the norm, RoPE and rotation into its code
+    (no opaque csa call left): fp32 rows within fp32 summation error of eager (Inductor's
+    reduction order), bf16 rows (only under emulate_precision_casts, which keeps the
+    roundings between the steps) within one rounding step, grad_ape and grad_weight within
+    the fp32 sums' error. Otherwise, and under "extern" and "auto", they stay opaque calls
+    and give eager's bits."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from csa_ops import lowering
+
+    generates = case.dtype == torch.float32 or emulate
+
+    inputs = make_inputs(case, requires_grad=True)
+    leaves = [inputs[n] for n in ("kv", "score", "ape", "norm_weight")]
+    probe = torch.randn(case.spec.capacity, case.head_dim,
+                        generator=torch.Generator().manual_seed(5)).to(case.dtype)
+
+    def step(fn):
+        out = fn(*leaves)
+        return (out.detach(), *torch.autograd.grad(out, leaves, probe))
+
+    def op(kv, score, ape, norm_weight):
+        return FORWARD(*positional({**inputs, "kv": kv, "score": score, "ape": ape,
+                                    "norm_weight": norm_weight}))
+
+    eager = step(op)
+    previous = lowering.get_mode()
+    try:
+        for mode in ("generate", "extern", "auto"):
+            lowering.mode = mode
+            with torch._inductor.config.patch(emulate_precision_casts=emulate):
+                compiled, codes = run_and_get_code(step, torch.compile(op, fullgraph=True))
+            opaque = [re.findall(r"torch\.ops\.csa\.(\w+)\.default\(", code) for code in codes]
+            if mode == "generate" and generates:
+                assert opaque == [[], []], opaque
+                names = ("out", "grad_kv", "grad_score", "grad_ape", "grad_weight")
+                for name, got, want in zip(names, compiled, eager):
+                    if got.dtype == torch.float32:
+                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                                   msg=lambda m, n=name: f"{n}: {m}")
+                    else:
+                        assert_within_one_step(got, want, f"{mode} {name}")
+            else:
+                assert opaque == [["compressor_epilogue"], ["compressor_epilogue_backward"]]
+                for i, (got, want) in enumerate(zip(compiled, eager)):
+                    assert_bitwise_equal(got, want, f"{mode} output {i}")
+    finally:
+        lowering.mode = previous
 
 
 # ---------------------------------------------------------------------------------------

@@ -548,3 +548,149 @@ def test_static_token_counts_never_guard():
     assert _static_tokens(sympy.Integer(8192)) == 8192 and _static_tokens(77) == 77
     assert _static_tokens(sympy.Symbol("s0")) is None
     assert _static_tokens(sympy.Symbol("s0") * 4) is None
+
+
+# ---------------------------------------------------------------------------------------
+# fuse_rms_norm: the op followed by an RMSNorm, rewritten into csa::compressor_epilogue
+
+FUSE_PACK = PackSpec((17, 9, 12), ratio=4, coff=2, head_dim=16, extra_rows=2)
+
+
+def _norm_forms(weight, eps):
+    """Name -> the RMSNorm of the pooled rows y as a model writes it."""
+    module = torch.nn.RMSNorm(weight.shape[0], eps=eps, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    return {
+        "F.rms_norm": lambda y, w: torch.nn.functional.rms_norm(y, (y.shape[-1],), w, eps),
+        "nn.RMSNorm": lambda y, w: module(y),
+        "explicit": lambda y, w: y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * w,
+        "explicit, swapped": lambda y, w: w * (torch.rsqrt(eps + (y * y).mean(dim=-1,
+                                                                         keepdim=True)) * y),
+    }, module
+
+
+@pytest.fixture
+def fuse_rms_norm():
+    previous = lowering.fuse_rms_norm
+    lowering.fuse_rms_norm = True
+    try:
+        yield
+    finally:
+        lowering.fuse_rms_norm = previous
+
+
+def _rows_and_grads(fn, leaves):
+    """(rows, gradients of ``leaves``) of ``fn(*leaves)`` against a fixed probe."""
+    rows = fn(*leaves)
+    probe = torch.randn(rows.shape, generator=torch.Generator().manual_seed(2)).to(rows.dtype)
+    return (rows.detach(), *torch.autograd.grad(rows, leaves, probe))
+
+
+@pytest.mark.parametrize("form", ["F.rms_norm", "nn.RMSNorm", "explicit", "explicit, swapped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=("fp32", "bf16"))
+def test_fuse_rms_norm_rewrites_each_form(form, dtype, fuse_rms_norm, compile_env):
+    """Under fuse_rms_norm the op and its norm compile to one csa::compressor_epilogue call
+    and its backward op: the fused op's rows and gradients, bitwise (auto keeps the fused op
+    opaque on the CPU); eager still computes the two steps."""
+    pack = make_pack(FUSE_PACK, dtype=dtype)
+    weight = (1 + 0.25 * torch.randn(16, generator=torch.Generator().manual_seed(1))).to(dtype)
+    forms, module = _norm_forms(weight, 1e-6)
+    norm = forms[form]
+    leaves = [t.clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, weight)]
+    if form == "nn.RMSNorm":  # the module's own weight is the leaf
+        leaves[3] = module.weight
+    def op_then_norm(kv, score, ape, w):
+        return norm(torch.ops.csa.compressor(kv, score, ape, *pack.tensors()[3:], 4, 2,
+                                             FUSE_PACK.capacity), w)
+
+    got, codes = run_and_get_code(
+        _rows_and_grads, torch.compile(op_then_norm, fullgraph=True), leaves)
+    calls = [re.findall(r"torch\.ops\.csa\.(\w+)\.default\(", code) for code in codes]
+    assert calls == [["compressor_epilogue"], ["compressor_epilogue_backward"]], calls
+
+    def fused(y_kv, y_score, y_ape, w):
+        return torch.ops.csa.compressor_epilogue(
+            y_kv, y_score, y_ape, *pack.tensors()[3:], 4, 2, w, 1e-6, None, None, 0, None,
+            False, FUSE_PACK.capacity)
+
+    want = _rows_and_grads(fused, leaves)
+    names = ("rows", "grad_kv", "grad_score", "grad_ape", "grad_weight")
+    for name, a, e in zip(names, got, want):
+        assert_bitwise_equal(a, e, f"{form} {name}")
+
+
+def test_fuse_rms_norm_leaves_what_it_cannot_fuse(fuse_rms_norm, compile_env):
+    """Rows used beside the norm, a weightless norm, a mean over the rows' other dimension,
+    and the flag off: the op and the norm stay two steps."""
+    pack = make_pack(FUSE_PACK)
+    weight = torch.full((16,), 1.5)
+
+    def pooled():
+        return torch.ops.csa.compressor(*pack.tensors(), 4, 2, FUSE_PACK.capacity)
+
+    def norm(y):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+    graphs = {
+        "rows used twice": lambda: (lambda y: norm(y) + y)(pooled()),
+        "weightless": lambda: torch.nn.functional.rms_norm(pooled(), (16,), None, 1e-6),
+        "other dimension": lambda: (lambda y: y * torch.rsqrt(
+            y.pow(2).mean(0, keepdim=True) + 1e-6) * weight)(pooled()),
+    }
+    for name, fn in graphs.items():
+        _, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True))
+        assert "compressor_epilogue" not in code, name
+    lowering.fuse_rms_norm = False
+    _, (code,) = run_and_get_code(torch.compile(lambda: norm(pooled()), fullgraph=True))
+    assert "compressor_epilogue" not in code
+
+
+def test_fuse_rms_norm_runs_the_pass_it_replaces(compile_env):
+    """A pre-grad custom pass of the user's runs after the rewrite and is put back when the
+    flag goes off; the flag takes bools only."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Counting(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Counting.calls += 1
+
+        def uuid(self):
+            return "counting"
+
+    user = Counting()
+    with torch._inductor.config.patch(pre_grad_custom_pass=user):
+        lowering.fuse_rms_norm = True
+        try:
+            assert torch._inductor.config.pre_grad_custom_pass.then is user
+            pack = make_pack(FUSE_PACK)
+            torch.compile(lambda: torch.ops.csa.compressor(*pack.args()).relu(),
+                          fullgraph=True)()
+            assert Counting.calls == 1
+        finally:
+            lowering.fuse_rms_norm = False
+        assert torch._inductor.config.pre_grad_custom_pass is user
+    with pytest.raises(ValueError, match="must be a bool"):
+        lowering.fuse_rms_norm = 1
+
+
+def test_fuse_rms_norm_under_generate_is_one_generated_kernel(fuse_rms_norm, compile_env):
+    """With "generate" the rewritten fused op decomposes into its composition: Inductor
+    pools and normalizes in one generated kernel (beside the capacity check's), no opaque
+    call left, within fp32 summation error of the fused op."""
+    pack = make_pack(FUSE_PACK)
+    weight = torch.full((16,), 1.5)
+
+    def op_then_norm(kv):
+        y = torch.ops.csa.compressor(kv, *pack.tensors()[1:], 4, 2, FUSE_PACK.capacity)
+        return torch.nn.functional.rms_norm(y, (16,), weight, 1e-6)
+
+    with use_lowering_mode("generate"):
+        got, (code,) = run_and_get_code(torch.compile(op_then_norm, fullgraph=True), pack.kv)
+    assert _extern_ops(code) == []
+    assert len(set(_kernels(code)) - set(_capacity_checks(code))) == 1, _kernels(code)
+    want = torch.ops.csa.compressor_epilogue(*pack.tensors(), 4, 2, weight, 1e-6, None, None,
+                                             0, None, False, FUSE_PACK.capacity)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

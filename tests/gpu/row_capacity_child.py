@@ -81,7 +81,9 @@ def graph_replay(family: str) -> None:
 
 def compiled(family: str) -> None:
     """torch.compile with generated code (Inductor's Triton kernels), static capacity."""
-    csa_ops.lowering.mode = "generate"
+    from csa_ops import lowering
+
+    lowering.mode = "generate"
     inputs, fits, past, ratio, coff, capacity = _pack(family)
     fn = torch.compile(torch.ops.csa.compressor, fullgraph=True)
     fn(*inputs, *fits, ratio, coff, capacity)

@@ -63,6 +63,7 @@ if wants tests; then
   job distributed "$T" "$ROOT" $PYTEST tests/gpu/test_distributed_gpu.py
   job epilogue "$T" "$ROOT" $PYTEST tests/gpu/test_epilogue_gpu.py
   job capacity "$T" "$ROOT" $PYTEST tests/gpu/test_row_capacity_gpu.py
+  job devices "$T" "$ROOT" $PYTEST tests/gpu/test_multi_device_gpu.py
 fi
 if wants sanitize; then
   # Without the caching allocator every tensor is its own allocation, so memcheck sees any
