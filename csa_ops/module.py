@@ -19,7 +19,7 @@ class Compressor(nn.Module):
     (``(max_position, rope_dim // 2)`` fp32) and turns the last ``rope_dim`` columns of
     each row at its block's first position (plus ``position_offset`` per sequence);
     ``rotate`` adds the indexer's Hadamard rotation. Those forwards run the fused op
-    ``csa::compressor_epilogue`` (see ``csa_ops.compressor_epilogue``), the others the op
+    ``csa::compressor_epilogue`` (``csa_ops.epilogue.compressor_epilogue``), the others the op
     and ``nn.RMSNorm``."""
 
     def __init__(self, dim: int, head_dim: int, ratio: int, coff: int, eps: float = 1e-6,

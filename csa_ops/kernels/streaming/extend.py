@@ -15,7 +15,7 @@ from ..shared import common as cm
 from ..shared import requests
 from .kernels import StreamingKernel
 from .plan import MAX_ROWS, RED_KINDS, quiet_lanes
-from .rows import RowFlag, RowTensors, flat
+from .rows import RowFlag, RowTensors, RowTiles, flat
 
 QUIET_UNROLL = 4  # pieces of a quiet request's update loaded before their stores
 # An extend CTA's item table holds a row's request, or NO_REQUEST: a row no request holds
@@ -118,9 +118,10 @@ class StreamingExtend(StreamingKernel):
         # Entries exist from position 0 on: flags "real row, has a previous block", and no
         # token bound, so the mask is the forward's block-0 mask. (No ape tile: the logits
         # are in sLg.)
-        self._row(sTile, None, sRed, sScr, gOut, gOut, gOut, None, 0, n,
-                  (q - (self.coff - 1)) * self.ratio, Int32(3), Int32(requests.INT32_MAX), thr,
-                  True, sLg)
+        self._row(RowTiles(sTile, None, sRed, sScr, sLg),
+                  RowTensors(gKV, gSc, gApe, gOut, gOut, gOut, gOut), None, 0, n,
+                  (q - (self.coff - 1)) * self.ratio, Int32(RowFlag.REAL | RowFlag.PREVIOUS),
+                  Int32(requests.INT32_MAX), thr, True)
         cute.arch.barrier()  # the tile is free for the next row
 
     def _rows_here(self, first_row, rows_b, row0, groups, num_rows):

@@ -27,7 +27,7 @@ from ..shared import common as cm
 from ..shared import softmax, torch_order
 from ..shared.reduce import launch_sum_parts
 from .plan import MAX_ROWS, RED_KINDS
-from .rows import RowFlag, RowTensors, Thread, flat
+from .rows import RowFlag, RowTensors, RowTiles, Thread, flat
 
 _SUM_SPLIT = 16  # grad_ape sum: warps per CTA, each summing every 16th CTA partial
 
@@ -313,7 +313,7 @@ class StreamingKernel:
         lands. Rows that are not real get zeros (forward), except, where `skips`, those
         flagged RowFlag.SKIP (another launch writes them, or no row). Starts with the barrier
         that publishes the row table."""
-        gKV, gSc, gApe, gGo, gOut, gGkv, gGsc = rows
+        gKV, gSc, gApe, gGo, gOut = rows.kv, rows.score, rows.ape, rows.grad_out, rows.out
         tid, lane, cvw, wp, cb, rg = thr.tid, thr.lane, thr.cvw, thr.wp, thr.cb, thr.rg
         VEC, CV, S = self.vec, self.col_vectors, self.stages
         sTile, sApe, sRed, sT0, sFl, sG = tables
@@ -339,7 +339,7 @@ class StreamingKernel:
             cute.arch.cp_async_commit_group()
             fl = sFl[j]
             if (fl & RowFlag.REAL) != 0:
-                args = (sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, j % S,
+                args = (RowTiles(sTile, sApe, sRed, sG), rows, gacc, j % S,
                         self._table_row(sRow, rg, j, groups), sT0[j], fl, num_tokens, thr)
                 if const_expr(self.lean):
                     if (fl & RowFlag.FULL) != 0:
@@ -445,27 +445,30 @@ class StreamingKernel:
             flat(ap, self.ape_vec, h).store(sApe[(None, k, h, c)].load())
         return ap
 
-    def _logit_reader(self, sTile, sApe, sLg, st, ph, k, cvw):
+    def _logit_reader(self, tiles: RowTiles, st, ph, k, cvw):
         """v -> entry k's logit: fp32(score) + ape of column v, the tile's score and ape
-        loaded here and each add where the caller asks for it; or, where the caller has an
-        fp32 logit tile sLg (the extend kernel's gathered windows), its entry."""
-        if sLg is not None:
+        loaded here and each add where the caller asks for it; or, where the tiles have an
+        fp32 logit tile (the extend kernel's gathered windows), its entry."""
+        if tiles.logits is not None:
             lg = cute.make_rmem_tensor((self.vec,), Float32)
-            lg.store(sLg[(None, ph, k)].load())
+            lg.store(tiles.logits[(None, ph, k)].load())
             return lambda v: lg[v]
-        sc = self._load_f32(sTile[(None, ph, k, 0, st)])
-        ap = self._ape(sApe, k, cvw)
+        sc = self._load_f32(tiles.tile[(None, ph, k, 0, st)])
+        ap = self._ape(tiles.ape, k, cvw)
         return lambda v: sc[v] + ap[v]
 
     @cute.jit
-    def _row(self, sTile, sApe, sRed, sG, gOut, gGkv, gGsc, gacc, st, n, t0, fl, num_tokens,
-             thr, masked, sLg=None):
-        """Softmax pooling (forward) or its gradient (backward) of one row's column block.
+    def _row(self, tiles: RowTiles, rows: RowTensors, gacc, st, n, t0, fl, num_tokens,
+             thr: Thread, masked):
+        """Softmax pooling (forward) or its gradient (backward) of row n's column block, its
+        window in stage st of the tiles, from token t0 with flags fl.
 
         Pass 1: logits l and their max m. Pass 2: e = exp(l - m), s = sum e and a = sum e * v
         (forward: out = a / s) or a = sum e * (g * v) (backward: dot = a / s); backward pass 3:
         p = e / s, grad_v = p * g, grad_l = p * (g * v - dot), as the reference."""
         tid, lane, cvw, wp, cb = thr.tid, thr.lane, thr.cvw, thr.wp, thr.cb
+        sTile, sRed, sG = tiles.tile, tiles.red, tiles.scratch
+        gOut, gGkv, gGsc = rows.out, rows.grad_kv, rows.grad_score
         VEC, KT = self.vec, self.entries_per_lane
         kk = [(wp * KT + i) * 32 + lane for i in range(KT)]
         ok = [True] * KT
@@ -479,7 +482,7 @@ class StreamingKernel:
         mloc = cute.make_rmem_tensor((VEC,), Float32)
         mloc.fill(-math.inf)
         for i in cutlass.range_constexpr(KT):
-            logit = self._logit_reader(sTile, sApe, sLg, st, ph[i], kk[i], cvw)
+            logit = self._logit_reader(tiles, st, ph[i], kk[i], cvw)
             for v in cutlass.range_constexpr(VEC):
                 x = self._pick(ok[i], logit(v), ninf)
                 lg[i * VEC + v] = x
@@ -544,8 +547,8 @@ class StreamingKernel:
                         bound = self.cert_m * sums[2] + self.cert_v * sums[3]
                         fails = cutlass.select_(
                             bound < cute.math.absf(a_c) * self.cert_keep, Int32(0), Int32(1))
-                    self._parity_columns(out, fails, self._gather(m_max), sTile, sApe, sLg, sG,
-                                         st, t0, fl, num_tokens, lane, cvw, masked)
+                    self._parity_columns(out, fails, self._gather(m_max), tiles, st, t0, fl,
+                                         num_tokens, lane, cvw, masked)
             if lane == 0 and wp == 0 and colw < self.half_vectors:
                 self._store(gOut[(None, (n, colw))], out)
         else:
@@ -573,24 +576,23 @@ class StreamingKernel:
 
     # ---------------------------------------------------------------- torch's order
     @cute.jit
-    def _parity_columns(self, out, fails, m, sTile, sApe, sLg, sScr, st, t0, fl, num_tokens,
-                        lane, cvw, masked):
+    def _parity_columns(self, out, fails, m, tiles: RowTiles, st, t0, fl, num_tokens, lane,
+                        cvw, masked):
         """Replace out[v] by torch's value where column v failed the certificate (fails: the
         scattered per-column flag; every column at parity 2). One warp, all its lanes."""
         if cute.arch.vote_any_sync(fails != 0):
             flags = self._gather(fails)
             for v in cutlass.range_constexpr(self.vec):
                 if flags[v] != 0:
-                    out[v] = self._exact_column(sTile, sApe, sLg, sScr, st, v, m[v], t0, fl,
-                                                num_tokens, lane, cvw, masked)
+                    out[v] = self._exact_column(tiles, st, v, m[v], t0, fl, num_tokens, lane,
+                                                cvw, masked)
 
     @cute.jit
-    def _exact_column(self, sTile, sApe, sLg, sScr, st, v, m, t0, fl, num_tokens, lane, cvw,
-                      masked):
+    def _exact_column(self, tiles: RowTiles, st, v, m, t0, fl, num_tokens, lane, cvw, masked):
         """Column v of the warp's column vector as torch's eager region computes it on CUDA
         (torch_order.py). Lane j computes the terms k = j + 32 i of the window; each chain
         of torch's sums is then one lane's loop over the terms in the warp's scratch."""
-        sw = sScr[(None, cvw)]
+        sw = tiles.scratch[(None, cvw)]
         e = []
         kv = []
         for i in cutlass.range_constexpr(self.window_padded // 32):
@@ -599,8 +601,8 @@ class StreamingKernel:
             if const_expr(masked):
                 ok = self._entry_ok(k, t0, fl, num_tokens)
             ph = self._phys(cvw, k)
-            logit = self._logit_reader(sTile, sApe, sLg, st, ph, k, cvw)(v)
-            value = self._load_f32(sTile[(None, ph, k, 1, st)])[v]
+            logit = self._logit_reader(tiles, st, ph, k, cvw)(v)
+            value = self._load_f32(tiles.tile[(None, ph, k, 1, st)])[v]
             # Missing entries hold -inf / 0 in torch's gathered tensors: e = 0, product +0.
             e.append(cutlass.select_(ok, cm.exp_accurate(cm.sub_rn(logit, m)), Float32(0.0)))
             kv.append(cutlass.select_(ok, value, Float32(0.0)))

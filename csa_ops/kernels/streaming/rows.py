@@ -1,5 +1,6 @@
 """What the streaming kernels pass between their parts: a row's flags in the row tables, a
-thread's coordinates, a row's tensors, and flat views of sliced vectors."""
+thread's coordinates, a row's global and shared-memory tensors, and flat views of sliced
+vectors."""
 
 from __future__ import annotations
 
@@ -52,3 +53,17 @@ class RowTensors(NamedTuple):
     out: cute.Tensor
     grad_kv: cute.Tensor
     grad_score: cute.Tensor
+
+
+class RowTiles(NamedTuple):
+    """The shared-memory tensors a row's pooling reads and writes: the window tiles (score
+    in slot 0, kv in slot 1, one stage per row in flight), the CTA's ape tile (None where
+    the logits are given), the cross-warp partials, the scratch (the backward's grad_out
+    rows, or the forward's exact columns' terms) and the extend kernel's fp32 logit tile
+    (None: the logits are score + ape from the tiles)."""
+
+    tile: cute.Tensor
+    ape: cute.Tensor | None
+    red: cute.Tensor
+    scratch: cute.Tensor
+    logits: cute.Tensor | None = None
