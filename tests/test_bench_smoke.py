@@ -275,3 +275,22 @@ def test_compressor_graph_batches_give_every_variant_the_same_calls():
     assert bench._batch_size(step, graph, case, args) == max(20, case.num_sets)
     assert case.num_sets <= bench._batch_size(lambda i: None, wall, case, args) <= max(
         20, case.num_sets)
+
+
+def test_epilogue_bench_runs_every_variant_checked(tmp_path):
+    """bench_epilogue.py end to end on the CPU at one tiny shape: every variant of both
+    directions agrees with the fused op and is timed, beside the floor; the JSON, the table
+    and the plot are written."""
+    cmd = [sys.executable, str(BENCH / "bench_epilogue.py"), "--device", "cpu", "--shapes",
+           "r4c2_1x32_d64", "--warmup", "1", "--iters", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=os.environ | {"PYTHONUNBUFFERED": "1"}, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    for direction in ("fwd", "fwd+bwd"):
+        timed = {r["variant"]: r for r in rows if r["direction"] == direction}
+        assert set(timed) == {"floor", "eager", "op + compiled epilogue", "compiled block",
+                              "fused op"}
+        assert all(r["ok"] for name, r in timed.items() if name != "floor"), timed
+        assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in timed.values())
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "results.png"}
