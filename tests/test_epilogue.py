@@ -13,6 +13,7 @@ import csa_ops.meta.epilogue  # noqa: F401  (registers the fakes)
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.testing
 from helpers import PackSpec, assert_bitwise_equal, assert_within_one_step, make_pack, ulp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -420,6 +421,60 @@ def test_generate_mode_compiles_the_composition_and_other_modes_keep_the_op(case
                     assert_bitwise_equal(got, want, f"{mode} output {i}")
     finally:
         lowering.mode = previous
+
+
+def test_export_of_the_rope_block_keeps_the_fused_op():
+    """torch.export of csa_ops.Compressor with RoPE tables: one csa::compressor_epilogue
+    node, the program equal to the module bitwise on the example and on other offsets, the
+    token count dynamic."""
+    from csa_ops.module import offsets_for
+
+    torch.manual_seed(0)
+    block = csa_ops.Compressor(24, 64, 4, 2, rope_dim=16, rotate=True).eval()
+    cos, sin = rope_tables(16)
+    x = torch.randn(22, 24)
+    cu, cuc = offsets_for([13, 0, 9], 4)
+    tokens = torch.export.Dim("tokens", min=2, max=4096)
+    exported = torch.export.export(
+        block, (x, cu, cuc, 12), {"cos": cos, "sin": sin},
+        dynamic_shapes={"x": {0: tokens}, "cu_seqlens": None, "cu_seqlens_comp": None,
+                        "total_comp": None, "cos": None, "sin": None})
+    fused = [n for n in exported.graph_module.graph.nodes if n.target is FORWARD]
+    assert len(fused) == 1
+    with torch.no_grad():
+        for lengths in ([13, 0, 9], [4, 30, 7]):
+            x = torch.randn(sum(lengths), 24)
+            cu, cuc = offsets_for(lengths, 4)
+            assert_bitwise_equal(exported.module()(x, cu, cuc, 12, cos=cos, sin=sin),
+                                 block(x, cu, cuc, 12, cos=cos, sin=sin), f"lengths {lengths}")
+
+
+def test_compile_dynamic_shapes_one_graph(compile_env):
+    """torch.compile(dynamic=True) of the fused op, forward and backward: packs of other
+    token counts and capacities (and the true count) run in the frames compiled once, each
+    equal to eager bitwise (the op is opaque under the default lowering mode)."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    def forward(inputs):
+        return FORWARD(*positional(inputs))
+
+    # fullgraph: total_comp=None is a data-dependent size, which breaks a partial graph.
+    compiled = torch.compile(forward, backend=counter, dynamic=True, fullgraph=True)
+    leaves = ("kv", "score", "ape", "norm_weight")
+    frames = []
+    for lengths, extra in (((13, 0, 9, 4), 2), ((40, 3, 17, 8), 5), ((9, 8, 1, 30), None)):
+        case = Case(lengths, 4, 2, 64, torch.float32, 16, True, extra_rows=extra)
+        inputs = make_inputs(case, requires_grad=True)
+        results = []
+        for fn in (compiled, forward):
+            out = fn(inputs)
+            grads = torch.autograd.grad(out, [inputs[n] for n in leaves], torch.ones_like(out))
+            results.append((out.detach(), *grads))
+        for i, (a, b) in enumerate(zip(*results)):
+            assert_bitwise_equal(a, b, f"{lengths} output {i}")
+        frames.append(counter.frame_count)
+    assert frames[1] == frames[0]  # another token count and capacity: no new frame
+    assert frames[2] <= frames[1] + 1  # total_comp=None: one frame of its own at most
 
 
 # ---------------------------------------------------------------------------------------
