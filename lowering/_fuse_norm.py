@@ -46,10 +46,6 @@ def _is(node, kind: str) -> bool:
             or (node.op == "call_function" and node.target in _FUNCTIONS[kind]))
 
 
-def _only_user(node, user) -> bool:
-    return list(node.users) == [user]
-
-
 def _compressor_args(node) -> dict | None:
     if node.op != "call_function" or node.target not in COMPRESSOR_TARGETS:
         return None

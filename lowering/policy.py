@@ -83,12 +83,17 @@ def set_fuse_rms_norm(value: bool) -> None:
     csa::compressor_epilogue (lowering/_fuse_norm.py); frames compiled before are dropped."""
     if not isinstance(value, bool):
         raise ValueError(f"csa_ops.lowering.fuse_rms_norm must be a bool, got {value!r}")
+    changed = value != _state["fuse_rms_norm"]
+    _apply_fuse_rms_norm(value)
+    if changed:
+        torch.compiler.reset()  # Dynamo does not guard on it either
+
+
+def _apply_fuse_rms_norm(value: bool) -> None:
     from . import _fuse_norm
 
     _fuse_norm.install(value)
-    if value != _state["fuse_rms_norm"]:
-        _state["fuse_rms_norm"] = value
-        torch.compiler.reset()  # Dynamo does not guard on it either
+    _state["fuse_rms_norm"] = value
 
 
 def init_from_env() -> None:
@@ -97,7 +102,8 @@ def init_from_env() -> None:
         raise ValueError(f"environment variable {FUSE_RMS_NORM_ENV}: must be 0 or 1, got "
                          f"{fuse!r}")
     if fuse == "1":
-        set_fuse_rms_norm(True)
+        # No reset: this runs at registration, which can be inside a trace's first fake.
+        _apply_fuse_rms_norm(True)
     raw = os.environ.get(ENV, "auto").strip().lower() or "auto"
     try:
         _state["mode"] = _validated(raw)

@@ -169,6 +169,13 @@ def test_environment_variables():
     assert "CSA_OPS_LOWERING" in run.stderr and "must be one of" in run.stderr
     run = _import_in_subprocess({"CSA_OPS_LOWERING_DISABLE": "1"}, "print(L.available)")
     assert run.stdout.split() == ["False"], run.stderr
+    run = _import_in_subprocess(
+        {"CSA_OPS_FUSE_RMSNORM": "1"},
+        "import torch; print(L.fuse_rms_norm, "
+        "type(torch._inductor.config.pre_grad_custom_pass).__name__)")
+    assert run.stdout.split() == ["True", "FuseRmsNorm"], run.stderr
+    run = _import_in_subprocess({"CSA_OPS_FUSE_RMSNORM": "yes"}, "pass")
+    assert "CSA_OPS_FUSE_RMSNORM" in run.stderr and "must be 0 or 1" in run.stderr
 
 
 # ---------------------------------------------------------------------------------------

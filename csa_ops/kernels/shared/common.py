@@ -229,6 +229,14 @@ def assert_rows_fit(rows: Int32, num_rows: Int32):
 
 
 @cute.jit
+def store_row_total(cuc: cute.Tensor, num_reqs: Int32, total: Int32, num_rows: Int32):
+    """cu_seqlens_comp[-1] of a serving call (the rows its requests complete), written by
+    the one thread that writes it, and assert_rows_fit of it."""
+    cuc[num_reqs] = total
+    assert_rows_fit(total, num_rows)
+
+
+@cute.jit
 def assert_offsets_fit(cuc: cute.Tensor, num_segs: Int32, num_rows: Int32):
     """assert_rows_fit of cu_seqlens_comp[-1] (cuc holds num_segs + 1 offsets), checked by
     the first thread of the grid's first CTA: one load, after the PDL wait."""

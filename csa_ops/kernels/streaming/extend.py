@@ -329,8 +329,7 @@ class StreamingExtend(StreamingKernel):
                              sItem, sBase, mCuc, b, first_row, rows_b, rg, groups, ni,
                              num_reqs, num_rows, bid))
         if bid == 0 and tid == 0:
-            mCuc[num_reqs] = total
-            cm.assert_rows_fit(total, num_rows)
+            cm.store_row_total(mCuc, num_reqs, total, num_rows)
         cute.arch.barrier()
 
         tiles = (sTile, sLg, gApe, sRed, self._scratch(smem, sRed), gKV, gSc, gKVs, gSs, gOut)

@@ -465,8 +465,7 @@ class WindowExtend(WindowKernel):
             if counter and by == 0 and item < num_reqs:
                 cuc[item] = own_base
             if bid == 0 and tid == 0:
-                cuc[num_reqs] = total
-                cm.assert_rows_fit(total, num_rows)
+                cm.store_row_total(cuc, num_reqs, total, num_rows)
         else:
             if tid < self.rpc:
                 sReq[tid] = Int32(-1)
@@ -484,8 +483,7 @@ class WindowExtend(WindowKernel):
                             num_reqs, bid))
             if cutlass.const_expr(self.has_rows):  # noqa: SIM102 (compile-time, then run-time)
                 if bid == 0 and tid == 0:
-                    cuc[num_reqs] = total
-                    cm.assert_rows_fit(total, num_rows)
+                    cm.store_row_total(cuc, num_reqs, total, num_rows)
             cute.arch.sync_threads()
 
         if active:
@@ -577,8 +575,7 @@ class WindowExtend(WindowKernel):
             if lane < num_reqs:
                 cuc[lane] = rows_before
             if lane == 0:
-                cuc[num_reqs] = total
-                cm.assert_rows_fit(total, num_rows)
+                cm.store_row_total(cuc, num_reqs, total, num_rows)
         found, base, ok_b, tok_b, start_b, rows_b = self.batch.lane_of_row(n, held)
         active = tid < self.threads and (not self.ragged_cols or cv < self.tpr) and n < num_rows
         rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
