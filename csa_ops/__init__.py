@@ -55,6 +55,20 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     return host.precompile_extend(ratio, head_dim, coff, dtype, arch)
 
 
+def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0,
+                     rotate: bool = False, eps: float = 1e-6, dtype: torch.dtype | None = None,
+                     weight_dtype: torch.dtype | None = None, arch: str | None = None):
+    """Compile csa_ops.serving_store.compressor_extend_store's epilogue kernel (RMSNorm with
+    ``eps``, RoPE on ``rope_dim`` columns, the rotation, ``cache_format`` and the paged
+    store) ahead of use, as a CUDA graph capture needs; returns its key, or None where that
+    epilogue runs as torch ops. dtype (the rows') and arch as in precompile; weight_dtype
+    (norm_weight's) None means float32."""
+    from . import host
+
+    return host.precompile_store(head_dim, cache_format, rope_dim, rotate, eps, dtype,
+                                 weight_dtype, arch)
+
+
 def set_forward_numerics(mode: str) -> None:
     """The forward's numerics mode for this process: "certified" (the default: every output
     element within one rounding step of torch's eager region on the same device) or "fast"
@@ -91,4 +105,4 @@ def __getattr__(name: str):
 
 __all__ = ["Compressor", "CompressorState", "ForwardNumerics", "compressor",
            "compressor_extend", "forward_numerics", "get_forward_numerics", "offsets_for", "ops",
-           "precompile", "precompile_extend", "set_forward_numerics"]
+           "precompile", "precompile_extend", "precompile_store", "set_forward_numerics"]

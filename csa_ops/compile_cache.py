@@ -79,6 +79,12 @@ class CompileCache:
 
     def _compile_now(self, direction: Direction, key: KernelKey, engine: bool = True) -> Any:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if direction is Direction.STORE:
+                raise RuntimeError(
+                    f"csa_ops: the row-epilogue kernel for {key} is not compiled and a CUDA "
+                    f"graph capture is active, where JIT is not allowed. Call csa_ops."
+                    f"precompile_store(...) with the call's epilogue (or make the same call "
+                    f"once eagerly) before capturing.")
             # csa::compressor's directions and csa::compressor_extend's kernels each have
             # their own precompile entry.
             entry = "precompile_extend" if direction is Direction.EXTEND else "precompile"

@@ -21,6 +21,9 @@ class Direction(str, enum.Enum):
     FORWARD = "fwd"
     BACKWARD = "bwd"
     EXTEND = "ext"
+    # csa::compressor_extend_store's row epilogue: the extend kernel's rows normalized,
+    # turned, encoded and stored into a paged cache (kernels/epilogue/, an EpilogueKey).
+    STORE = "store"
 
     @classmethod
     def of(cls, backward: bool) -> Direction:
@@ -74,12 +77,13 @@ class DType:
 
 
 # Every element type a kernel argument has: the key's dtype, fp32 (ape, grad_ape, workspace)
-# and int32 (cu_seqlens, cu_seqlens_comp).
+# int32 (cu_seqlens, cu_seqlens_comp) and uint8 (quantized caches).
 TYPES = {t.name: t for t in (
     DType("bfloat16", "BFloat16", 2, 8),
     DType("float16", "Float16", 2, 11),
     DType("float32", "Float32", 4, 24),
     DType("int32", "Int32", 4, 31),
+    DType("uint8", "Uint8", 1, 8),
 )}
 DTYPES = ("bfloat16", "float16", "float32")  # what kv / score (a key's dtype) may be
 ARCHS = ("sm_90a", "sm_100a")

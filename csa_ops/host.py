@@ -72,7 +72,8 @@ def _device_info(device: torch.device) -> tuple[str | None, int]:
     return STATE.devices[index]
 
 
-def _multi_gpu() -> bool:
+def multi_gpu() -> bool:
+    """Whether this process sees several GPUs (launches then make their device current)."""
     if STATE.multi_gpu is None:
         STATE.multi_gpu = torch.cuda.device_count() > 1
     return STATE.multi_gpu
@@ -192,6 +193,25 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     return built
 
 
+def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate: bool = False,
+                     eps: float = 1e-6, dtype: torch.dtype | None = None,
+                     weight_dtype: torch.dtype | None = None, arch: str | None = None):
+    """Compile (or load) csa::compressor_extend_store's row-epilogue kernel of one epilogue;
+    weight_dtype None means float32; the rest as in precompile. Returns its key, or None
+    where that epilogue runs as torch ops."""
+    from .kernels.epilogue import plan
+
+    dtype, arch = _target("precompile_store", dtype, arch)
+    weight_dtype = torch.float32 if weight_dtype is None else weight_dtype
+    _check_target("precompile_store", weight_dtype, arch)
+    key = plan.configure(_TORCH_DTYPES[dtype], _TORCH_DTYPES[weight_dtype], head_dim,
+                         rope_dim, rotate, cache_format, eps, arch)
+    if not plan.supports(key):
+        return None
+    KERNELS.get(Direction.STORE, key)
+    return key
+
+
 # ---------------------------------------------------------------------------------------
 # Problems (inputs arrive validated and contiguous from the ops)
 
@@ -288,7 +308,7 @@ def _prepared(spec: CallSpec, device_index: int):
         call = native.prepared_call(spec)
         if call is not None:
             return call
-    return python_call(spec, current_stream_handle, device_index, _multi_gpu())
+    return python_call(spec, current_stream_handle, device_index, multi_gpu())
 
 
 def prepare_forward(found: Problem, num_tokens: int, total_comp: int, num_segs: int,

@@ -17,18 +17,21 @@ from collections.abc import Callable
 
 import torch
 
-from .config import Direction, KernelKey
+from .config import TYPES, Direction, KernelKey
 
 
 class Arg(enum.Enum):
     """What a kernel argument is: a pointer to the key's dtype (aligned to the key's vector
-    width), to fp32 (ape, grad_ape, workspace, score_state: 16-byte aligned) or to int32
-    (offsets, positions, slots), or an Int32 scalar."""
+    width), to fp32 (ape, grad_ape, workspace, score_state, RoPE tables: 16-byte aligned),
+    to int32 (offsets, positions, slots, block tables), to the norm weight's dtype, to the
+    cache (the key's dtype or bytes, 16-byte aligned), or an Int32 scalar."""
 
     DATA = "data"
     F32 = "f32"
     IDX = "idx"
     I32 = "i32"
+    WEIGHT = "weight"
+    CACHE = "cache"
 
 
 ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
@@ -47,15 +50,32 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("score_state", Arg.F32), ("out", Arg.DATA), ("cuc", Arg.IDX), ("num_tokens", Arg.I32),
         ("num_rows", Arg.I32), ("num_requests", Arg.I32), ("num_slots", Arg.I32),
         ("grid", Arg.I32)),
+    Direction.STORE: (
+        ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
+        ("cu", Arg.IDX), ("start_pos", Arg.IDX), ("slots", Arg.IDX), ("cuc", Arg.IDX),
+        ("block_table", Arg.IDX), ("cache", Arg.CACHE), ("num_rows", Arg.I32),
+        ("num_requests", Arg.I32), ("num_tokens", Arg.I32), ("num_slots", Arg.I32),
+        ("table_rows", Arg.I32), ("table_width", Arg.I32), ("num_pages", Arg.I32),
+        ("page_size", Arg.I32), ("page_bytes", Arg.I32), ("ratio", Arg.I32),
+        ("grid", Arg.I32)),
 }
 
 
 def launch_signature(direction: Direction, key: KernelKey) -> tuple[tuple, ...]:
     """The argument slots of a compiled kernel, stream excluded: ("ptr", dtype name,
     assumed alignment) or ("i32",)."""
-    slots = {Arg.DATA: ("ptr", key.dtype, key.align_bytes), Arg.F32: ("ptr", "float32", 16),
-             Arg.IDX: ("ptr", "int32", 4), Arg.I32: ("i32",)}
-    return tuple(slots[kind] for _, kind in ARGUMENTS[Direction(direction)])
+    return tuple(_slot(kind, key) for _, kind in ARGUMENTS[Direction(direction)])
+
+
+def _slot(kind: Arg, key) -> tuple:
+    if kind is Arg.DATA:
+        return ("ptr", key.dtype, key.align_bytes)
+    if kind is Arg.WEIGHT:  # an EpilogueKey's
+        return ("ptr", key.weight_dtype, TYPES[key.weight_dtype].bytes)
+    if kind is Arg.CACHE:
+        return ("ptr", key.cache_dtype, 16)
+    return {Arg.F32: ("ptr", "float32", 16), Arg.IDX: ("ptr", "int32", 4),
+            Arg.I32: ("i32",)}[kind]
 
 
 @dataclasses.dataclass(frozen=True)

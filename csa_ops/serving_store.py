@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dispatch, epilogue, reference_epilogue, reference_extend, serving
+from . import dispatch, epilogue, reference_epilogue, reference_extend, serving, store_kernel
 from .reference import segment_of
 from .reference_epilogue import FORMATS, EpilogueParams
 
@@ -242,14 +242,27 @@ def extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_s
         kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio, coff, rows)
     if start_pos.shape[0] == 0:
         return cu_seqlens_comp
-    valid = reference_extend.valid_requests(cu_seqlens, start_pos, slots, kv.shape[0],
-                                            kv_state.shape[0])
-    t = _targets(cu_seqlens_comp, start_pos, valid, block_table, rows, ratio, page_size,
-                 num_pages)
+    args = (pooled, cu_seqlens_comp, kv.shape[0], cu_seqlens, start_pos, slots,
+            kv_state.shape[0], norm_weight, eps, cos, sin, rope_dim, rotate, cache_format,
+            cache, block_table, page_size, ratio)
+    if check_contents or not store_kernel.launch(*args):
+        epilogue_store(*args)
+    return cu_seqlens_comp
+
+
+def epilogue_store(pooled, cu_seqlens_comp, num_tokens: int, cu_seqlens, start_pos, slots,
+                   num_slots: int, norm_weight, eps, cos, sin, rope_dim, rotate, cache_format,
+                   cache, block_table, page_size, ratio) -> None:
+    """The epilogue, the encoding and the paged store of an extend call's pooled rows as
+    torch ops (every device; on CUDA, the route of what the row-epilogue kernel does not
+    take, and what it is tested against)."""
+    valid = reference_extend.valid_requests(cu_seqlens, start_pos, slots, num_tokens,
+                                            num_slots)
+    t = _targets(cu_seqlens_comp, start_pos, valid, block_table, pooled.shape[0], ratio,
+                 page_size, cache.shape[0])
     params = EpilogueParams(norm_weight, float(eps), cos, sin, rope_dim, rotate)
     rows_out = reference_epilogue.epilogue_rows(pooled, t.position, t.emitted, params)
     _store(cache_format, cache, rows_out, t, page_size)
-    return cu_seqlens_comp
 
 
 _LIB = torch.library.Library("csa", "FRAGMENT")

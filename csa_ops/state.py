@@ -50,6 +50,8 @@ class ProcessState:
         self.problems: dict[tuple, Any] = {}  # call metadata -> resolved problem
         self.multi_gpu: bool | None = None
         self.python_launch_path = False  # calls prepared now take the Python path
+        # csa_ops.store_kernel: csa::compressor_extend_store's epilogue by its kernel
+        self.store_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native
         self.native_tag: str | None = None

@@ -136,7 +136,10 @@ def test_every_family_implements_the_contract():
                          "plan_forward", "plan_backward", "extend_key", "extend_launches",
                          "plan_extend", "plan_extend_launch"):
             assert callable(getattr(plan, function, None)), (name, function)
-        assert set(KERNELS[name]) == set(Direction)
+        assert set(KERNELS[name]) == {Direction.FORWARD, Direction.BACKWARD, Direction.EXTEND}
+    # The row epilogue after the extend kernels is the one kernel of its package.
+    assert set(KERNELS) - set(FAMILIES) == {"epilogue"}
+    assert set(KERNELS["epilogue"]) == {Direction.STORE}
 
 
 def test_the_state_resets_to_a_fresh_process():

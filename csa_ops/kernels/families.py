@@ -72,6 +72,8 @@ KERNELS = {
     "streaming": {Direction.FORWARD: "kernels:StreamingForward",
                   Direction.BACKWARD: "kernels:StreamingBackward",
                   Direction.EXTEND: "extend:StreamingExtend"},
+    # Not a pooling family: the row epilogue after csa::compressor_extend (an EpilogueKey).
+    "epilogue": {Direction.STORE: "kernels:RowEpilogueStore"},
 }
 
 

@@ -14,6 +14,7 @@
 #   SWEEP_DIRS    directions of those sweeps (default "fwd,bwd")
 #   BENCH_SHAPES  bench shapes (comma separated; default the production list), BENCH_SKIP variants
 #   T_TESTS, T_BENCH  per-stage limits in seconds
+#   ONLY          the jobs to run, by name ("store serving-*"; default all of the stages)
 # Logs land in $OUT/logs; $OUT/summary.txt has one line per job.
 set -u
 OUT=${OUT:-/tmp/csa-out}
@@ -33,8 +34,14 @@ python3 -m csa_ops.native build >> "$OUT/summary.txt" 2>&1
 
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
 # job NAME SECONDS DIR COMMAND...: runs in the background in DIR, logs to logs/NAME.log.
+# ONLY (space-separated job names, a trailing * matches a prefix) keeps the jobs it names.
 job() {
   local name=$1 limit=$2 dir=$3; shift 3
+  if [ -n "${ONLY:-}" ]; then
+    local pattern keep=""
+    for pattern in $ONLY; do [[ $name == $pattern ]] && keep=1; done
+    [ -n "$keep" ] || return 0
+  fi
   (
     cd "$dir" && timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
     echo "$name rc=$? $(tail -n 1 "$OUT/logs/$name.log" | cut -c1-300)" >> "$OUT/summary.txt"
@@ -58,11 +65,14 @@ if wants tests; then
   job op "$T" "$ROOT" $PYTEST tests/gpu/test_op_gpu.py
   job graphs "$T" "$ROOT" $PYTEST tests/gpu/test_graphs.py tests/gpu/test_kernel_cache_gpu.py
   job lowering "$T" "$ROOT" $PYTEST tests/gpu/test_lowering_gpu.py
-  job serving "$T" "$ROOT" $PYTEST tests/gpu/test_serving_gpu.py
+  for i in 0 1; do
+    job "serving-$i" "$T" "$ROOT" env CSA_TEST_SHARD=$i/2 $PYTEST tests/gpu/test_serving_gpu.py
+  done
   job native "$T" "$ROOT" $PYTEST tests/gpu/test_native_gpu.py
   job distributed "$T" "$ROOT" $PYTEST tests/gpu/test_distributed_gpu.py
   job epilogue "$T" "$ROOT" $PYTEST tests/gpu/test_epilogue_gpu.py
   job capacity "$T" "$ROOT" $PYTEST tests/gpu/test_row_capacity_gpu.py
+  job store "$T" "$ROOT" $PYTEST tests/gpu/test_store_kernel_gpu.py
   job devices "$T" "$ROOT" $PYTEST tests/gpu/test_multi_device_gpu.py
 fi
 if wants sanitize; then
@@ -71,7 +81,7 @@ if wants sanitize; then
   job sanitize "$T" "$ROOT" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
     --tool memcheck --report-api-errors no --error-exitcode 99 $PYTEST -k adversarial \
     tests/gpu/test_kernels_window.py tests/gpu/test_kernels_streaming.py \
-    tests/gpu/test_serving_gpu.py
+    tests/gpu/test_serving_gpu.py tests/gpu/test_store_kernel_gpu.py
 fi
 wait
 

@@ -1,0 +1,370 @@
+"""The row epilogue of csa::compressor_extend_store: per pooled row, RMSNorm, RoPE at the
+row's position, the optional Hadamard rotation, one cache format and the paged store.
+
+Every step is the reference's operation for operation (csa_ops/reference_epilogue.py): fp32
+arithmetic with each product and sum rounded on its own (common.*_rn: no contracted FMA),
+the mean's pairwise tree in its column order, the correctly rounded square root and
+division, a rounding to the row dtype after each step, and the formats' scales and codes
+from the same exact bit operations. So a stored row is bitwise the composition's.
+
+One CTA per row of the call's output capacity; rows past cu_seqlens_comp[-1], rows of
+invalid requests and rows whose block-table entry is out of range write nothing. The kernel
+runs after the extend kernel in the same stream (PDL: it waits for it before any access).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
+from cutlass._mlir_helpers.math import RoundingMode
+from cutlass.memory import SmemAllocator
+
+from ..shared import common as cm
+from ..shared import formats as fm
+from .plan import BLOCK_COLUMNS, EpilogueKey
+
+INT32_MAX = 2**31 - 1
+DS_MLA_FP8_COLUMNS = 448
+DS_MLA_ROW_BYTES, DS_MLA_SCALE_BYTES = 576, 8
+# The smallest amax a pow2 scale is taken of, by format (values below it share its scale).
+SCALE_FLOOR = {"fp8_ds_mla": 1e-4, "mxfp4": fm.FP4_MAX * 2.0**-126}
+SCALE_TOP = {"fp8_ds_mla": fm.FP8_MAX, "mxfp4": fm.FP4_MAX}
+
+
+def _halvings(n: int) -> tuple[int, ...]:
+    """n/2, n/4, ..., 1 (n a power of two)."""
+    return tuple(n >> s for s in range(1, n.bit_length()))
+
+
+def _doublings(n: int) -> tuple[int, ...]:
+    """1, 2, ..., n/2 (n a power of two)."""
+    return tuple(reversed(_halvings(n)))
+
+
+class RowEpilogueStore:
+    """One compiled configuration (an EpilogueKey); every attribute is a compile-time
+    constant. A CTA of `threads` threads owns one row; see plan.py for the two layouts."""
+
+    def __init__(self, key: EpilogueKey) -> None:
+        self.key = key
+        self.dtype = cm.dsl_type(key.dtype)
+        self.weight_dtype = cm.dsl_type(key.weight_dtype)
+        self.cache_dtype = cm.dsl_type(key.cache_dtype)
+        self.D, self.T, self.V = key.head_dim, key.threads, key.vec
+        self.rope_dim, self.rotate, self.format = key.rope_dim, key.rotate, key.cache_format
+        self.pdl = key.pdl
+        self.eps = key.eps
+        self.rotate_scale = key.head_dim**-0.5
+        self.block = BLOCK_COLUMNS.get(key.cache_format, 0)
+        # Compile-time step lists: in-thread halvings of the mean's tree and its lane
+        # halvings; the rotation's lane strides and in-thread strides; a block's lane offsets.
+        self.tree_widths = _halvings(self.V)
+        self.tree_lanes = _halvings(self.T)
+        self.lane_strides = _doublings(self.T)
+        self.thread_strides = _doublings(self.V)
+        self.block_lanes = _doublings(max(self.block // self.V, 1))
+
+    # ------------------------------------------------------------ cross-thread exchanges
+    @cute.jit
+    def exchange(self, value: Float32, stride: cutlass.Constexpr[int], sX: cute.Tensor,
+                 tid: Int32) -> Float32:
+        """The value of thread tid ^ stride: a shuffle inside a warp, else shared memory."""
+        result = Float32(0.0)
+        if cutlass.const_expr(stride < 32):
+            result = cute.arch.shuffle_sync_bfly(value, offset=stride)
+        else:
+            sX[tid] = value
+            cute.arch.sync_threads()
+            result = sX[tid ^ stride]
+            cute.arch.sync_threads()
+        return result
+
+    @cute.jit
+    def row_sum(self, values: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
+        """The pairwise tree of reference_epilogue.row_mean over the strided row (column j
+        plus column j + w/2, w halving from head_dim), broadcast to every thread."""
+        for step in cutlass.range_constexpr(len(self.tree_widths)):
+            width = self.tree_widths[step]
+            for k in cutlass.range_constexpr(width):
+                values[k] = cm.add_rn(values[k], values[k + width])
+        total = values[0]
+        for step in cutlass.range_constexpr(len(self.tree_lanes)):
+            total = cm.add_rn(total, self.exchange(total, self.tree_lanes[step], sX, tid))
+        # Thread 0 holds the tree's root (other threads hold partial trees).
+        if tid == 0:
+            sX[0] = total
+        cute.arch.sync_threads()
+        total = sX[0]
+        cute.arch.sync_threads()
+        return total
+
+    # ------------------------------------------------------------ the epilogue steps
+    @cute.jit
+    def to_dtype(self, x: Float32) -> Float32:
+        return Float32(self.dtype(x))
+
+    @cute.jit
+    def rms_norm(self, rX: cute.Tensor, p_weight, sX: cute.Tensor, tid: Int32):
+        rSq = cute.make_rmem_tensor((self.V,), Float32)
+        for k in cutlass.range_constexpr(self.V):
+            rSq[k] = cm.mul_rn(rX[k], rX[k])
+        mean = cm.div_rn(self.row_sum(rSq, sX, tid), Float32(float(self.D)))
+        root = cute.math.sqrt(cm.add_rn(mean, Float32(self.eps)),
+                              rounding=RoundingMode.NEAREST_EVEN)
+        inverse = cm.div_rn(Float32(1.0), root)
+        weight = cute.make_tensor(p_weight, self.D)
+        for k in cutlass.range_constexpr(self.V):
+            w = Float32(weight[tid + k * self.T])
+            rX[k] = self.to_dtype(cm.mul_rn(cm.mul_rn(rX[k], inverse), w))
+
+    @cute.jit
+    def rope(self, rX: cute.Tensor, p_cos, p_sin, table_row: Int64, tid: Int32):
+        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes."""
+        half = self.rope_dim // 2
+        first = self.D - self.rope_dim
+        cos = cute.make_tensor(p_cos + table_row * half, half)
+        sin = cute.make_tensor(p_sin + table_row * half, half)
+        odd = (tid & 1) == 1
+        for k in cutlass.range_constexpr(self.V):
+            partner = cute.arch.shuffle_sync_bfly(rX[k], offset=1)
+            column = tid + k * self.T
+            if column >= first:
+                pair = (column - first) // 2
+                c, s = cos[pair], sin[pair]
+                if odd:  # even * sin + odd * cos
+                    rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(partner, s), cm.mul_rn(rX[k], c)))
+                else:  # even * cos - odd * sin
+                    rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(rX[k], c), cm.mul_rn(partner, s)))
+
+    @cute.jit
+    def hadamard(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32):
+        """Butterflies of stride 1, 2, ..., head_dim / 2 (low + high, low - high), then the
+        scale d**-0.5 in fp32: across lanes while the stride is below `threads`."""
+        for s in cutlass.range_constexpr(len(self.lane_strides)):
+            stride = self.lane_strides[s]
+            high = (tid & stride) != 0
+            for k in cutlass.range_constexpr(self.V):
+                other = self.exchange(rX[k], stride, sX, tid)
+                rX[k] = cm.pick(high, cm.sub_rn(other, rX[k]), cm.add_rn(rX[k], other))
+        for s in cutlass.range_constexpr(len(self.thread_strides)):
+            step = self.thread_strides[s]
+            for k in cutlass.range_constexpr(self.V):
+                if cutlass.const_expr(k & step == 0):
+                    low, high_value = rX[k], rX[k + step]
+                    rX[k] = cm.add_rn(low, high_value)
+                    rX[k + step] = cm.sub_rn(low, high_value)
+        for k in cutlass.range_constexpr(self.V):
+            rX[k] = self.to_dtype(cm.mul_rn(rX[k], Float32(self.rotate_scale)))
+
+    # ------------------------------------------------------------ encodings
+    @cute.jit
+    def block_amax(self, rZ: cute.Tensor):
+        """(amax, finite) of the scale block of this thread's contiguous columns: the lanes
+        of a block are neighbours, reduced by shuffles."""
+        amax = Float32(0.0)
+        bad = Float32(0.0)
+        for k in cutlass.range_constexpr(self.V):
+            amax = cute.arch.fmax(amax, fm.abs_bits(rZ[k]))
+            bad = cute.arch.fmax(bad, cm.pick(fm.finite(rZ[k]), Float32(0.0), Float32(1.0)))
+        for s in cutlass.range_constexpr(len(self.block_lanes)):
+            offset = self.block_lanes[s]
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
+            bad = cute.arch.fmax(bad, cute.arch.shuffle_sync_bfly(bad, offset=offset))
+        return amax, bad == Float32(0.0)
+
+    @cute.jit
+    def pow2_scale(self, amax: Float32, finite: Boolean):
+        """(2**-e, e) with e = ceil(log2(max(amax, floor) / top)); e = 0 off finite blocks."""
+        floor = Float32(SCALE_FLOOR[self.format])
+        e = Int32(0)
+        if finite:
+            e = fm.ceil_log2(cm.div_rn(cute.arch.fmax(amax, floor),
+                                     Float32(SCALE_TOP[self.format])))
+        return fm.pow2(-e), e
+
+    @cute.jit
+    def store_bytes(self, rB: cute.Tensor, base: cute.Pointer, offset: Int64,
+                    count: cutlass.Constexpr[int]):
+        dst = cute.make_tensor(base + cute.assume(offset, divby=count), count)
+        cute.autovec_copy(rB, dst)
+
+    @cute.jit
+    def encode_ds_mla(self, rZ: cute.Tensor, p_cache, row_offset: Int64, scale_offset: Int64,
+                      tid: Int32):
+        """Columns [0, 448): e4m3 codes of 7 blocks of 64 with UE8M0 scales (byte 7: 0);
+        columns [448, 512): bf16 bytes. Data row at row_offset, scale bytes at scale_offset."""
+        amax, finite = self.block_amax(rZ)
+        column = tid * self.V
+        if column < DS_MLA_FP8_COLUMNS:
+            factor, e = self.pow2_scale(amax, finite)
+            rB = cute.make_rmem_tensor((self.V,), Uint8)
+            for k in cutlass.range_constexpr(self.V):
+                rB[k] = Uint8(fm.E4M3_NAN)
+                if finite:
+                    rB[k] = fm.e4m3(cm.mul_rn(rZ[k], factor))
+            self.store_bytes(rB, p_cache, row_offset + column, self.V)
+            if column % self.block == 0:
+                scale = Uint8(fm.UE8M0_NAN)
+                if finite:
+                    scale = Uint8(e + 127)
+                fm.store_byte(p_cache, scale_offset + column // self.block, scale)
+        else:
+            if column == DS_MLA_FP8_COLUMNS:
+                fm.store_byte(p_cache, scale_offset + DS_MLA_SCALE_BYTES - 1, Uint8(0))
+            rB = cute.make_rmem_tensor((2 * self.V,), Uint8)
+            for k in cutlass.range_constexpr(self.V):
+                bits = Uint32(cutlass.BFloat16(rZ[k]).bitcast(cutlass.Uint16))
+                rB[2 * k] = Uint8(bits)
+                rB[2 * k + 1] = Uint8(bits >> 8)
+            rope_offset = DS_MLA_FP8_COLUMNS + 2 * (column - DS_MLA_FP8_COLUMNS)
+            self.store_bytes(rB, p_cache, row_offset + rope_offset, 2 * self.V)
+
+    @cute.jit
+    def encode_block128(self, rZ: cute.Tensor, p_cache, row_offset: Int64, tid: Int32):
+        """e4m3 codes of x / scale, scale = amax / 448 in fp32 after the codes: zero codes
+        and scale where it is 0, NaN codes and scale off finite blocks."""
+        amax, finite = self.block_amax(rZ)
+        scale = cm.div_rn(amax, Float32(fm.FP8_MAX))
+        usable = finite and scale > Float32(0.0)
+        column = tid * self.V
+        rB = cute.make_rmem_tensor((self.V,), Uint8)
+        for k in cutlass.range_constexpr(self.V):
+            rB[k] = Uint8(0)
+            if usable:
+                rB[k] = fm.e4m3(cm.div_rn(rZ[k], scale))
+            elif not finite:
+                rB[k] = Uint8(fm.E4M3_NAN)
+        self.store_bytes(rB, p_cache, row_offset + column, self.V)
+        if column % self.block == 0:
+            stored = cutlass.select_(finite, scale.bitcast(Uint32), Uint32(0x7FC00000))
+            rS = cute.make_rmem_tensor((4,), Uint8)
+            for b in cutlass.range_constexpr(4):
+                rS[b] = Uint8(stored >> (8 * b))
+            self.store_bytes(rS, p_cache, row_offset + self.D + 4 * (column // self.block), 4)
+
+    @cute.jit
+    def encode_mxfp4(self, rZ: cute.Tensor, p_cache, row_offset: Int64, tid: Int32):
+        """e2m1 codes of x * 2**-e two per byte (low nibble first), then one UE8M0 byte per
+        32 columns; zero codes and the NaN scale off finite blocks."""
+        amax, finite = self.block_amax(rZ)
+        factor, e = self.pow2_scale(amax, finite)
+        column = tid * self.V
+        rB = cute.make_rmem_tensor((self.V // 2,), Uint8)
+        for k in cutlass.range_constexpr(self.V // 2):
+            packed = Int32(0)
+            if finite:
+                packed = (fm.e2m1(cm.mul_rn(rZ[2 * k], factor))
+                          | (fm.e2m1(cm.mul_rn(rZ[2 * k + 1], factor)) << 4))
+            rB[k] = Uint8(packed)
+        self.store_bytes(rB, p_cache, row_offset + column // 2, self.V // 2)
+        if column % self.block == 0:
+            scale = Uint8(fm.UE8M0_NAN)
+            if finite:
+                scale = Uint8(e + 127)
+            fm.store_byte(p_cache, row_offset + self.D // 2 + column // self.block, scale)
+
+    # ------------------------------------------------------------ the kernel
+    @cute.jit
+    def target(self, p_cu, p_start, p_slots, p_cuc, p_table, n: Int32, num_requests: Int32,
+               num_tokens: Int32, num_slots: Int32, table_width: Int32, num_pages: Int32,
+               page_size: Int32, ratio: Int32):
+        """(writes, cache row, position) of output row n: its request i (cuc[i] <= n <
+        cuc[i+1]), compressed row q = start_pos[i] // ratio + n - cuc[i], position q * ratio,
+        cache row block_table[i, q // page_size] * page_size + q % page_size. It writes when
+        n < cuc[-1], the request is valid (as the extend kernels judge it) and the
+        block-table entry is in range. Every load is in bounds for any contents."""
+        cuc = cute.make_tensor(p_cuc, num_requests + 1)
+        writes = Boolean(False)
+        cache_row = Int64(0)
+        position = Int64(0)
+        if n < cuc[num_requests]:
+            i = cm.count_le(cuc, num_requests + 1, n) - 1
+            if i >= 0 and i < num_requests:  # noqa: PLR1716
+                cu = cute.make_tensor(p_cu, num_requests + 1)
+                first, last = cu[i], cu[i + 1]
+                start = cute.make_tensor(p_start, num_requests)[i]
+                slot = cute.make_tensor(p_slots, num_requests)[i]
+                valid = (slot >= 0 and slot < num_slots and start >= 0 and first >= 0
+                         and first <= last and last <= num_tokens
+                         and Int64(start) + Int64(last) - Int64(first) <= Int64(INT32_MAX))
+                if valid:
+                    q = Int64(start // ratio) + Int64(n) - Int64(cuc[i])
+                    column = q // Int64(page_size)
+                    if column < Int64(table_width):
+                        page = cute.make_tensor(
+                            p_table + Int64(i) * Int64(table_width) + column, 1)[0]
+                        if page >= 0 and page < num_pages:
+                            writes = Boolean(True)
+                            cache_row = (Int64(page) * Int64(page_size)
+                                         + q % Int64(page_size))
+                            position = q * Int64(ratio)
+        return writes, cache_row, position
+
+    @cute.kernel
+    def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_cuc, p_table,
+               p_cache, num_rows: Int32, num_requests: Int32, num_tokens: Int32,
+               num_slots: Int32, table_rows: Int32, table_width: Int32, num_pages: Int32,
+               page_size: Int32, page_bytes: Int32, ratio: Int32):
+        cm.await_upstream(self.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        n, _, _ = cute.arch.block_idx()
+        smem = SmemAllocator()
+        sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
+        writes, cache_row, position = self.target(
+            p_cu, p_start, p_slots, p_cuc, p_table, n, num_requests, num_tokens, num_slots,
+            table_width, num_pages, page_size, ratio)
+        if writes:  # the same for every thread of the CTA
+            rX = cute.make_rmem_tensor((self.V,), Float32)
+            row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
+            for k in cutlass.range_constexpr(self.V):
+                rX[k] = Float32(row[tid + k * self.T])
+            self.rms_norm(rX, p_weight, sRow, tid)
+            if cutlass.const_expr(self.rope_dim > 0):
+                table_row = cutlass.min(cutlass.max(position, Int64(0)),
+                                        Int64(table_rows) - 1)
+                self.rope(rX, p_cos, p_sin, table_row, tid)
+            if cutlass.const_expr(self.rotate):
+                self.hadamard(rX, sRow, tid)
+            # Strided to contiguous through shared memory.
+            for k in cutlass.range_constexpr(self.V):
+                sRow[tid + k * self.T] = rX[k]
+            cute.arch.sync_threads()
+            rZ = cute.make_rmem_tensor((self.V,), Float32)
+            for k in cutlass.range_constexpr(self.V):
+                rZ[k] = sRow[tid * self.V + k]
+            self.encode(rZ, p_cache, cache_row, page_size, page_bytes, tid)
+
+    @cute.jit
+    def encode(self, rZ: cute.Tensor, p_cache, cache_row: Int64, page_size: Int32,
+               page_bytes: Int32, tid: Int32):
+        if cutlass.const_expr(self.format == "none"):
+            rO = cute.make_rmem_tensor((self.V,), self.dtype)
+            for k in cutlass.range_constexpr(self.V):
+                rO[k] = self.dtype(rZ[k])
+            self.store_bytes(rO, p_cache, cache_row * self.D + tid * self.V, self.V)
+        elif cutlass.const_expr(self.format == "fp8_ds_mla"):
+            page = cache_row // Int64(page_size)
+            slot = cache_row % Int64(page_size)
+            page_base = page * Int64(page_bytes)
+            self.encode_ds_mla(rZ, p_cache, page_base + slot * DS_MLA_ROW_BYTES,
+                               page_base + Int64(page_size) * DS_MLA_ROW_BYTES
+                               + slot * DS_MLA_SCALE_BYTES, tid)
+        elif cutlass.const_expr(self.format == "fp8_block128"):
+            self.encode_block128(rZ, p_cache, cache_row * (self.D + 4 * (self.D // 128)), tid)
+        else:
+            self.encode_mxfp4(rZ, p_cache, cache_row * (self.D // 2 + self.D // 32), tid)
+
+    @cute.jit
+    def __call__(self, p_rows: cute.Pointer, p_weight: cute.Pointer, p_cos: cute.Pointer,
+                 p_sin: cute.Pointer, p_cu: cute.Pointer, p_start: cute.Pointer,
+                 p_slots: cute.Pointer, p_cuc: cute.Pointer, p_table: cute.Pointer,
+                 p_cache: cute.Pointer, num_rows: Int32, num_requests: Int32,
+                 num_tokens: Int32, num_slots: Int32, table_rows: Int32, table_width: Int32,
+                 num_pages: Int32, page_size: Int32, page_bytes: Int32, ratio: Int32,
+                 grid: Int32, stream: cuda.CUstream):
+        self.kernel(p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_cuc, p_table,
+                    p_cache, num_rows, num_requests, num_tokens, num_slots, table_rows,
+                    table_width, num_pages, page_size, page_bytes, ratio).launch(
+            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.D * 4 + 16, stream=stream,
+            use_pdl=self.pdl)

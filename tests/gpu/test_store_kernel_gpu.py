@@ -1,0 +1,202 @@
+"""The row-epilogue kernel of csa::compressor_extend_store on CUDA (H200), against the torch
+route of the same epilogue, encoding and paged store (serving_store.epilogue_store) on the
+same device and on the CPU: the whole cache bitwise, for every format, dtype, norm-weight
+dtype, RoPE width and rotation it takes, on rows that reach the formats' edges (zero rows
+and blocks, values past +-448 and past fp32 squares, amax below the scale floors, NaN,
+Inf), with invalid requests, rows past cu_seqlens_comp[-1] and block-table entries out of
+range (none of which may write), and under a CUDA graph replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal
+
+import csa_ops
+from csa_ops import serving_store, store_kernel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEVICE = "cuda"
+PAGE_SIZE = 5
+RATIO = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    cache_format: str
+    dtype: torch.dtype
+    head_dim: int
+    rope_dim: int
+    rotate: bool
+    weight_dtype: torch.dtype = torch.float32
+    eps: float = 1e-6
+
+    @property
+    def id(self) -> str:
+        return (f"{self.cache_format}-{str(self.dtype)[6:]}-d{self.head_dim}-rope{self.rope_dim}"
+                f"{'-rot' if self.rotate else ''}-w{str(self.weight_dtype)[6:]}")
+
+
+CASES = [
+    Case("fp8_ds_mla", torch.bfloat16, 512, 64, False),
+    Case("fp8_ds_mla", torch.bfloat16, 512, 64, False, torch.bfloat16, 1e-5),
+    Case("fp8_ds_mla", torch.float16, 512, 64, True),
+    Case("fp8_ds_mla", torch.float32, 512, 64, False),
+    Case("mxfp4", torch.bfloat16, 128, 64, True),
+    Case("mxfp4", torch.bfloat16, 128, 0, True, torch.bfloat16),
+    Case("mxfp4", torch.float16, 64, 32, False),
+    Case("mxfp4", torch.bfloat16, 1024, 64, True),
+    Case("fp8_block128", torch.bfloat16, 128, 64, True),
+    Case("fp8_block128", torch.float32, 256, 0, False, torch.float16),
+    Case("fp8_block128", torch.bfloat16, 512, 64, False),
+    Case("none", torch.bfloat16, 512, 64, False),
+    Case("none", torch.float16, 128, 64, True, torch.bfloat16),
+    Case("none", torch.float32, 64, 2, True),
+    Case("none", torch.bfloat16, 32, 0, False),
+]
+
+
+class Call:
+    """An extend call's pooled rows (random, with edge rows), its requests and offsets, a
+    block table and a cache of random bytes (so any write shows)."""
+
+    # rows per request; request 2 has an out-of-range slot and request 4 a negative
+    # position: their rows must write nothing.
+    ROWS = (3, 0, 4, 7, 2, 11, 1)
+    CAPACITY_EXTRA = 3  # rows past cu_seqlens_comp[-1]
+
+    def __init__(self, case: Case, seed: int = 0):
+        d, gen = case.head_dim, torch.Generator().manual_seed(seed)
+        counts = list(self.ROWS)
+        num_rows = sum(counts) + self.CAPACITY_EXTRA
+        rows = torch.randn(num_rows, d, generator=gen, dtype=torch.float64)
+        rows *= torch.exp(3 * torch.randn(num_rows, 1, generator=gen, dtype=torch.float64))
+        rows[0] = 0.0  # a zero row
+        rows[1, 5] = float("nan")
+        rows[3, -1] = float("inf")
+        rows[5, : d // 4] = 1e30  # squares past fp32: the norm's inverse is 0
+        rows[6, ::3] = 0.0
+        rows[7] = 1e-20 * rows[7]  # amax below the floors after the norm (weight below)
+        self.rows = rows.to(case.dtype)
+        weight = 1 + 0.25 * torch.randn(d, generator=gen)
+        weight[: d // 8] = 3000.0  # values past +-448
+        weight[d // 8: d // 4] = 1e-38  # blocks below the scale floors
+        weight[d // 4: d // 4 + 16] = 0.0  # zero columns
+        self.norm_weight = weight.to(case.weight_dtype)
+        positions = 40 * RATIO
+        angles = torch.arange(positions, dtype=torch.float64)[:, None] * 10000.0 ** (
+            -torch.arange(0, max(case.rope_dim, 2), 2, dtype=torch.float64) / max(case.rope_dim, 2))
+        self.cos = torch.cos(angles).float() if case.rope_dim else torch.empty(0, 0)
+        self.sin = torch.sin(angles).float() if case.rope_dim else torch.empty(0, 0)
+        self.cos = self.cos[:, : case.rope_dim // 2].contiguous()
+        self.sin = self.sin[:, : case.rope_dim // 2].contiguous()
+        batch = len(counts)
+        # start positions: rows q from start // ratio on; some reach past the RoPE tables.
+        starts = [RATIO * int(s) + int(r) for s, r in zip(
+            torch.randint(0, 30, (batch,), generator=gen), torch.randint(0, RATIO, (batch,),
+                                                                         generator=gen))]
+        starts[4] = -4
+        starts[6] = 60 * RATIO  # position past the tables: the last table row
+        self.start_pos = torch.tensor(starts, dtype=torch.int32)
+        lengths = [RATIO * c for c in counts]
+        self.cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+        self.num_tokens = int(self.cu[-1])
+        self.num_slots = batch + 2
+        slots = torch.randperm(self.num_slots, generator=gen)[:batch].to(torch.int32)
+        slots[2] = self.num_slots
+        self.slots = slots
+        self.cuc = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+        pages = 16
+        num_pages = batch * pages - 3
+        table = torch.randperm(batch * pages, generator=gen).view(batch, pages).to(torch.int32)
+        table[5, 2] = -1  # out of range: nothing written through it
+        self.block_table = table  # entries >= num_pages also write nothing
+        self.cache = serving_store.new_cache(num_pages, PAGE_SIZE, d, case.cache_format,
+                                             case.dtype)
+        fill = torch.randint(0, 256, self.cache.shape, generator=gen, dtype=torch.uint8)
+        self.cache.copy_(fill if case.cache_format != "none" else fill.to(case.dtype) - 100)
+
+    def args(self, case: Case, device, cache=None) -> list:
+        on = [t.to(device) for t in (self.rows, self.cuc)]
+        return [*on, self.num_tokens, self.cu.to(device), self.start_pos.to(device),
+                self.slots.to(device), self.num_slots, self.norm_weight.to(device), case.eps,
+                self.cos.to(device), self.sin.to(device), case.rope_dim, case.rotate,
+                case.cache_format, self.cache.to(device, copy=True) if cache is None else cache,
+                self.block_table.to(device), PAGE_SIZE, RATIO]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_adversarial_call_stores_the_torch_routes_bytes(case):
+    call = Call(case, seed=CASES.index(case))
+    kernel_args = call.args(case, DEVICE)
+    assert store_kernel.launch(*kernel_args), "the kernel did not take the call"
+    torch_args = call.args(case, DEVICE)
+    serving_store.epilogue_store(*torch_args)
+    cpu_args = call.args(case, "cpu")
+    serving_store.epilogue_store(*cpu_args)
+    assert_bitwise_equal(kernel_args[14].cpu(), torch_args[14].cpu(), "cache (CUDA torch)")
+    # On the CPU a NaN row's bf16 RoPE bytes may carry another NaN (x86's default NaN is
+    # negative): the decoded values agree, NaN for NaN.
+    decoded = [serving_store.dequantize_cache(c.cpu(), case.cache_format, PAGE_SIZE)
+               for c in (kernel_args[14], cpu_args[14])]
+    assert_bitwise_equal(*decoded, "cache values (CPU)")
+    assert not torch.equal(kernel_args[14].cpu(), call.cache), "nothing was written"
+
+
+def test_unsupported_calls_take_the_torch_route():
+    """A non-power-of-two head_dim is not the kernel's: launch declines, nothing written."""
+    case = Case("none", torch.bfloat16, 96, 0, False)
+    call = Call(case)
+    args = call.args(case, DEVICE)
+    before = args[14].clone()
+    assert not store_kernel.launch(*args)
+    assert torch.equal(args[14], before)
+
+
+def test_graph_replay_stores_what_eager_launches_store():
+    case = CASES[0]
+    call = Call(case, seed=11)
+    csa_ops.precompile_store(case.head_dim, case.cache_format, case.rope_dim, case.rotate,
+                             case.eps, case.dtype, case.weight_dtype)
+    eager = call.args(case, DEVICE)
+    assert store_kernel.launch(*eager)
+    replayed = call.args(case, DEVICE)
+    assert store_kernel.launch(*replayed)  # a warm-up outside the capture
+    replayed[14].copy_(call.cache.to(DEVICE))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        store_kernel.launch(*replayed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(replayed[14], eager[14], "cache")
+
+
+def test_op_runs_the_kernel_and_the_torch_route_alike():
+    """csa::compressor_extend_store end to end (the extend kernel, then the store kernel)
+    against the same call under store_kernel.torch_route()."""
+    from serving_helpers import make_requests, step_inputs
+
+    d, ratio, coff = 512, 4, 2
+    req = make_requests((37, 1, 130, 8), ratio, coff, d, torch.bfloat16, device=DEVICE, seed=5)
+    kv, score, cu, start_pos, slots = step_inputs(req, list(enumerate(req.lengths)),
+                                                  [0] * 4, [0, 1, 2, 3])
+    weight = (1 + 0.1 * torch.randn(d)).to(DEVICE)
+    angles = torch.arange(200, dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    cos, sin = torch.cos(angles).float().to(DEVICE), torch.sin(angles).float().to(DEVICE)
+    table = torch.arange(4 * 8, dtype=torch.int32, device=DEVICE).view(4, 8)
+    caches = []
+    for route in (store_kernel.torch_route, None):
+        state = csa_ops.CompressorState(4, ratio, coff, d, torch.bfloat16, DEVICE)
+        cache = serving_store.new_cache(32, PAGE_SIZE, d, "fp8_ds_mla", device=DEVICE)
+        with route() if route else contextlib.nullcontext():
+            torch.ops.csa.compressor_extend_store.default(
+                kv, score, req.ape, cu, start_pos, slots, state.kv, state.score, weight, 1e-6,
+                cos, sin, 64, False, "fp8_ds_mla", cache, table, PAGE_SIZE, ratio, coff)
+        caches.append(cache)
+    assert_bitwise_equal(caches[1], caches[0], "cache")

@@ -1,0 +1,90 @@
+"""The row-epilogue kernel of csa::compressor_extend_store without a GPU: every format and
+the epilogue's options cross-compile for sm_90a and sm_100a through the users' entry
+(csa_ops.precompile_store), the PTX pins what the bitwise contract rests on, and the key's
+and support's rules. Its bytes are tested on the H200 (tests/gpu/test_store_kernel_gpu.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import csa_ops
+from csa_ops import compile_cache
+from csa_ops.config import ARCHS, Direction
+from csa_ops.kernels.epilogue import plan
+
+# (cache_format, dtype, weight dtype, head_dim, rope_dim, rotate): every format, each dtype,
+# each thread shape (16 to 128 threads, 4 to 8 columns each), RoPE on and off, rotation.
+CONFIGS = (
+    ("fp8_ds_mla", torch.bfloat16, torch.float32, 512, 64, False),
+    ("fp8_ds_mla", torch.float16, torch.bfloat16, 512, 64, True),
+    ("mxfp4", torch.bfloat16, torch.bfloat16, 128, 64, True),
+    ("mxfp4", torch.float32, torch.float32, 64, 0, False),
+    ("fp8_block128", torch.bfloat16, torch.float32, 1024, 64, True),
+    ("fp8_block128", torch.float16, torch.float16, 128, 0, False),
+    ("none", torch.float32, torch.float32, 512, 64, True),
+    ("none", torch.bfloat16, torch.float32, 32, 2, False),
+)
+
+
+def _id(config) -> str:
+    fmt, dtype, weight, d, rope, rotate = config
+    return f"{fmt}-{str(dtype)[6:]}-w{str(weight)[6:]}-d{d}-rope{rope}{'-rot' if rotate else ''}"
+
+
+def _key(config, arch):
+    fmt, dtype, weight, d, rope, rotate = config
+    return csa_ops.precompile_store(d, fmt, rope, rotate, 1e-6, dtype, weight, arch=arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", CONFIGS, ids=[_id(c) for c in CONFIGS])
+def test_every_configuration_compiles_and_pins_its_rounding(config, arch):
+    key = _key(config, arch)
+    assert key is not None and key.arch == arch
+    ptx = compile_cache.ptx(Direction.STORE, key)
+    # No contracted FMA, only rounding-pinned fp32 arithmetic, no flush to zero.
+    assert not re.search(r"\bfma\.", ptx)
+    assert not re.search(r"\b(mul|add|sub)\.f32\b", ptx)
+    assert ".ftz" not in ptx
+    # The mean's correctly rounded square root and IEEE divisions, never approximations.
+    assert ptx.count("sqrt.rn.f32") == 1
+    assert "approx" not in ptx and "rsqrt" not in ptx
+    assert "div.rn.f32" in ptx
+    # Everything in registers and shared memory; the PDL wait before the first access.
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "griddepcontrol.wait" in ptx
+    fmt = config[0]
+    conversions = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
+    assert (conversions > 0) == (fmt in ("fp8_ds_mla", "fp8_block128"))
+
+
+def test_precompile_store_declines_what_the_kernel_does_not_take():
+    assert csa_ops.precompile_store(96, "none", arch="sm_90a") is None  # not a power of two
+    assert csa_ops.precompile_store(256, "fp8_ds_mla", 64, arch="sm_90a") is None
+    assert csa_ops.precompile_store(64, "fp8_block128", arch="sm_90a") is None
+    with pytest.raises(ValueError, match="dtype"):
+        csa_ops.precompile_store(128, "none", dtype=torch.float64, arch="sm_90a")
+    with pytest.raises(ValueError, match="arch"):
+        csa_ops.precompile_store(128, "none", arch="sm_80")
+
+
+def test_key_shapes_and_checks():
+    key = plan.configure("bfloat16", "float32", 512, 64, False, "fp8_ds_mla", 1e-6, "sm_90a")
+    assert (key.threads, key.vec, key.cache_dtype, key.align_bytes) == (128, 4, "uint8", 8)
+    wide = plan.configure("float32", "float32", 4096, 0, True, "none", 0.0, "sm_100a")
+    assert (wide.threads, wide.vec, wide.cache_dtype) == (128, 32, "float32")
+    assert plan.supports(wide)
+    assert not plan.supports(plan.configure("bfloat16", "float32", 8192, 0, False, "none",
+                                            1e-6, "sm_90a"))
+    assert not plan.supports(plan.configure("bfloat16", "float32", 128, 3, False, "none",
+                                            1e-6, "sm_90a"))
+    for bad in ({"dtype": "float64"}, {"cache_format": "fp8"}, {"eps": float("nan")},
+                {"arch": "sm_80"}, {"weight_dtype": "int32"}):
+        fields = dict(dtype="bfloat16", weight_dtype="float32", head_dim=128, rope_dim=0,
+                      rotate=False, cache_format="none", eps=1e-6, arch="sm_90a") | bad
+        with pytest.raises(ValueError, match="EpilogueKey"):
+            plan.EpilogueKey(**fields)
