@@ -78,8 +78,14 @@ def sqrt(v: torch.Tensor) -> torch.Tensor:
     lies past one. fp64 values get torch.sqrt (the last bit is the device's)."""
     if v.dtype != torch.float32:
         return torch.sqrt(v)
-    wide = v.double()
-    return _nearest_root(wide, torch.sqrt(wide).float())
+    wide = v.detach().double()
+    root = _nearest_root(wide, torch.sqrt(wide).float())
+    if v.requires_grad:
+        # The gradient of sqrt (nextafter has none), the value of the rounded root: the two
+        # roots are within one step, so their difference and the sum are exact.
+        plain = torch.sqrt(v)
+        return plain + (root - plain.detach())
+    return root
 
 
 def _nearest_root(wide: torch.Tensor, guess: torch.Tensor) -> torch.Tensor:

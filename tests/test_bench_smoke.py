@@ -294,3 +294,21 @@ def test_epilogue_bench_runs_every_variant_checked(tmp_path):
         assert all(r["ok"] for name, r in timed.items() if name != "floor"), timed
         assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in timed.values())
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "results.png"}
+
+
+def test_store_bench_runs_every_variant_checked(tmp_path):
+    """bench_store.py --quick end to end on the CPU (eager calls): every configuration's
+    extend, store and torch-route rows timed and checked bitwise against the store's cache,
+    the compiled row timed and its check recorded; the JSON, the table and the plot."""
+    cmd = [sys.executable, str(BENCH / "bench_store.py"), "--quick", "--warmup", "1",
+           "--iters", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=os.environ | {"PYTHONUNBUFFERED": "1"}, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    variants = {r["variant"] for r in rows}
+    assert {"DRAM floor", "extend", "store kernel", "store torch", "store compiled"} <= variants
+    for r in rows:
+        if r["variant"] in ("store kernel", "store torch"):
+            assert not r.get("error"), r
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "results.png"}

@@ -644,6 +644,17 @@ def test_sqrt_is_correctly_rounded_and_corrects_a_guess_one_step_off():
         assert_bitwise_equal(reference_epilogue._nearest_root(wide, guess), want, "corrected")
 
 
+def test_sqrt_under_autograd_keeps_its_bits_and_has_sqrts_gradient():
+    """nextafter has no derivative: a root that requires grad is the rounded root in value
+    and torch.sqrt in its gradient."""
+    v = (torch.rand(4096, generator=torch.Generator().manual_seed(3)) * 9 + 1e-3)
+    leaf = v.clone().requires_grad_()
+    root = reference_epilogue.sqrt(leaf)
+    assert_bitwise_equal(root.detach(), reference_epilogue.sqrt(v), "sqrt")
+    root.sum().backward()
+    assert torch.allclose(leaf.grad, 0.5 / torch.sqrt(v), rtol=1e-6, atol=0)
+
+
 def test_pow2_is_exact_over_its_range():
     exponent = torch.arange(-149, 129, dtype=torch.int32)
     want = torch.tensor([2.0**e for e in exponent.tolist()]).float()  # 2**128: Inf
