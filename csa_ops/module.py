@@ -9,6 +9,7 @@ from torch import nn
 from .epilogue import compressor_epilogue
 from .ops import compressor
 from .serving import CompressorState
+from .serving_store import compressor_extend_store
 
 
 class Compressor(nn.Module):
@@ -57,12 +58,38 @@ class Compressor(nn.Module):
 
     @torch.no_grad()
     def extend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
-               slots: torch.Tensor, state: CompressorState, total_comp: int | None = None):
+               slots: torch.Tensor, state: CompressorState, total_comp: int | None = None, *,
+               cache: torch.Tensor | None = None, cache_format: str = "none",
+               block_table: torch.Tensor | None = None, page_size: int | None = None,
+               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
         """Inference over new tokens ``x`` (THD-packed) continuing each request's ``state``
-        slot (see ``csa_ops.compressor_extend``): ``(normalized rows, cu_seqlens_comp)``."""
-        pooled, cu_seqlens_comp = state.extend(self.wkv(x), self.wgate(x), self.ape,
-                                               cu_seqlens, start_pos, slots, total_comp)
-        return self.norm(pooled), cu_seqlens_comp
+        slot (see ``csa_ops.compressor_extend``).
+
+        Without ``cache``: ``(rows, cu_seqlens_comp)``, the rows RMS-normalized (no RoPE).
+        With a paged ``cache`` of ``cache_format`` (``serving_store.new_cache``), its
+        ``block_table`` and ``page_size``: the whole serving stage, the rows normalized,
+        turned by ``cos``/``sin`` (a block built with rope_dim > 0), rotated (rotate=True),
+        encoded and stored (``serving_store.compressor_extend_store``); returns
+        ``cu_seqlens_comp``."""
+        kv, score = self.wkv(x), self.wgate(x)
+        if cache is None:
+            if block_table is not None or page_size is not None or cache_format != "none":
+                raise ValueError("Compressor.extend: `block_table`, `page_size` and "
+                                 "`cache_format` describe a `cache`; pass one")
+            pooled, cu_seqlens_comp = state.extend(kv, score, self.ape, cu_seqlens, start_pos,
+                                                   slots, total_comp)
+            return self.norm(pooled), cu_seqlens_comp
+        if block_table is None or page_size is None:
+            raise ValueError("Compressor.extend: a `cache` needs its `block_table` and "
+                             "`page_size`")
+        if total_comp is not None:
+            raise ValueError("Compressor.extend: `total_comp` sizes returned rows; with a "
+                             "`cache` the rows are stored (pass None)")
+        return compressor_extend_store(
+            kv, score, self.ape, cu_seqlens, start_pos, slots, state.kv, state.score,
+            norm_weight=self.norm.weight, cache_format=cache_format, cache=cache,
+            block_table=block_table, page_size=page_size, ratio=self.ratio, coff=self.coff,
+            eps=self.norm.eps, cos=cos, sin=sin, rope_dim=self.rope_dim, rotate=self.rotate)
 
 
 def offsets_for(lengths, ratio: int, device=None):

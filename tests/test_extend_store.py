@@ -599,3 +599,49 @@ def test_errors_name_the_store_op():
     args[ARG["cache_format"]] = "fp4"
     with pytest.raises(ValueError, match=r"^csa\.compressor_extend_store: `cache_format`"):
         OP(*args)
+
+
+def test_compressor_block_extend_stores_its_forward_rows_encoded():
+    """csa_ops.Compressor.extend with a cache: a prefill of most of each sequence, then
+    decode steps, leave in every cache row the encoding of the block's own forward rows over
+    the whole sequences (RMSNorm, RoPE, rotation); the other bytes stay zero."""
+    import csa_ops
+    from test_epilogue import rope_tables
+
+    torch.manual_seed(0)
+    ratio, coff, d, dim, page_size, fmt = 4, 2, 64, 24, 3, "mxfp4"
+    block = csa_ops.Compressor(dim, d, ratio, coff, rope_dim=16, rotate=True).eval()
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 1.5)
+    lengths = [13, 8, 21]
+    xs = [torch.randn(n, dim) for n in lengths]
+    cos, sin = rope_tables(16, 32)
+    pages = 2  # 5 rows at most, pages of 3
+    table = torch.arange(len(lengths) * pages, dtype=torch.int32).flip(0).view(-1, pages)
+    cache = serving_store.new_cache(len(lengths) * pages, page_size, d, fmt)
+    state = CompressorState(len(lengths), ratio, coff, d, torch.float32)
+    slots = torch.arange(len(lengths), dtype=torch.int32)
+    done = [n - 3 for n in lengths]
+    pieces = [[x[:n] for x, n in zip(xs, done)]] + [
+        [x[n + k:n + k + 1] for x, n in zip(xs, done)] for k in range(3)]
+    starts = [[0] * len(lengths)] + [[n + k for n in done] for k in range(3)]
+    for piece, start in zip(pieces, starts):
+        cu, _ = csa_ops.offsets_for([p.shape[0] for p in piece], ratio)
+        block.extend(torch.cat(piece), cu, torch.tensor(start, dtype=torch.int32), slots,
+                     state, cache=cache, cache_format=fmt, block_table=table,
+                     page_size=page_size, cos=cos, sin=sin)
+    cu, cuc = csa_ops.offsets_for(lengths, ratio)
+    with torch.no_grad():
+        rows = block(torch.cat(xs), cu, cuc, cos=cos, sin=sin)
+    want = torch.zeros_like(cache)
+    for i, part in enumerate(rows.split([n // ratio for n in lengths])):
+        encoded = reference_epilogue.encode_rows(part, fmt)[0]
+        for q in range(part.shape[0]):
+            want[int(table[i, q // page_size]), q % page_size] = encoded[q]
+    assert_bitwise_equal(cache, want, "cache")
+    with pytest.raises(ValueError, match="block_table"):
+        block.extend(torch.cat(pieces[1]), cu, torch.tensor(starts[1], dtype=torch.int32),
+                     slots, state, cache=cache, cache_format=fmt)
+    with pytest.raises(ValueError, match="describe a `cache`"):
+        block.extend(torch.cat(pieces[1]), cu, torch.tensor(starts[1], dtype=torch.int32),
+                     slots, state, block_table=table)
