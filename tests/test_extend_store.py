@@ -17,9 +17,10 @@ import pytest
 import torch
 from helpers import assert_bitwise_equal, ulp
 from serving_helpers import make_requests, permuted_slots, random_schedule, step_inputs
-from test_epilogue import HostReadsAreErrors
+from test_epilogue import HostReadsAreErrors, rope_tables
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import csa_ops
 from csa_ops import CompressorState, epilogue, reference_epilogue, serving_store
 
 OP = torch.ops.csa.compressor_extend_store.default
@@ -605,9 +606,6 @@ def test_compressor_block_extend_stores_its_forward_rows_encoded():
     """csa_ops.Compressor.extend with a cache: a prefill of most of each sequence, then
     decode steps, leave in every cache row the encoding of the block's own forward rows over
     the whole sequences (RMSNorm, RoPE, rotation); the other bytes stay zero."""
-    import csa_ops
-    from test_epilogue import rope_tables
-
     torch.manual_seed(0)
     ratio, coff, d, dim, page_size, fmt = 4, 2, 64, 24, 3, "mxfp4"
     block = csa_ops.Compressor(dim, d, ratio, coff, rope_dim=16, rotate=True).eval()
