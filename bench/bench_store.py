@@ -5,7 +5,7 @@
 
 Per config and shape (bf16, fp32 norm weight, RoPE 64, page_size 64), in one run: ``extend``
 (csa::compressor_extend alone, the baseline), ``store kernel`` (the op, the row-epilogue
-kernel on CUDA), ``store torch`` (the op under store_kernel.torch_route()), ``store
+kernel on CUDA), ``store torch`` (the op under row_epilogue.torch_route()), ``store
 compiled`` (torch.compile of the extend then serving_store.epilogue_store; fullgraph=True,
 else False, recorded; an error is recorded), each as wall time of back-to-back eager calls
 and on CUDA as CUDA-graph replay (bench_serving.time_step); and ``DRAM floor``: the store's
@@ -37,7 +37,7 @@ from bench_serving import PREFILL_STARTS, time_step
 
 import csa_ops
 from csa_ops import reference_epilogue as ref
-from csa_ops import serving_store, store_kernel
+from csa_ops import row_epilogue, serving_store
 
 PAGE_SIZE, EPS, DTYPE = 64, 1e-6, torch.bfloat16
 DECODE_CONTEXT = 16384  # decode positions are drawn below this
@@ -195,7 +195,7 @@ def compiled(case: Case) -> tuple:
         torch._dynamo.reset()
         fn = torch.compile(case.composed, fullgraph=fullgraph, dynamic=False)
         try:
-            outcome(case, fn, store_kernel.torch_route)
+            outcome(case, fn, row_epilogue.torch_route)
             return fn, note | {"fullgraph": fullgraph}
         except Exception as exc:  # noqa: BLE001  (recorded; the run goes on)
             timing.synchronize(case.device)
@@ -220,7 +220,7 @@ def run_case(config: str, shape: str, args, bandwidth: float, gen) -> list:
     fns = {"extend": case.extend, KERNEL: STORE, "store torch": STORE}
     if not args.no_compile:
         fns["store compiled"] = compiled
-    routes = {v: store_kernel.torch_route for v in ("store torch", "store compiled")}
+    routes = {v: row_epilogue.torch_route for v in ("store torch", "store compiled")}
     checks, want = {}, None
     for variant in sorted(fns, key=lambda v: v != KERNEL):  # the kernel's outcome first
         route, note = routes.get(variant, contextlib.nullcontext), {}

@@ -21,9 +21,11 @@ class Direction(str, enum.Enum):
     FORWARD = "fwd"
     BACKWARD = "bwd"
     EXTEND = "ext"
-    # csa::compressor_extend_store's row epilogue: the extend kernel's rows normalized,
-    # turned, encoded and stored into a paged cache (kernels/epilogue/, an EpilogueKey).
+    # The row epilogue (kernels/epilogue/, an EpilogueKey): csa::compressor_extend_store's
+    # (the extend kernel's rows normalized, turned, encoded and stored into a paged cache)
+    # and csa::compressor_epilogue's forward (csa::compressor's rows, packed).
     STORE = "store"
+    EPILOGUE = "epi"
 
     @classmethod
     def of(cls, backward: bool) -> Direction:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from . import dispatch, reference_epilogue, validation
+from . import dispatch, reference_epilogue, row_epilogue, validation
 from .reference_epilogue import EpilogueParams
 
 OP = "csa.compressor_epilogue"
@@ -177,9 +177,14 @@ def _compressor_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, cof
         _check_contents(OP, kv, cu_seqlens, cu_seqlens_comp, ratio, cos, rope_dim,
                         position_offset, total_comp)
     params = _params(norm_weight, eps, cos, sin, rope_dim, rotate)
-    return reference_epilogue.compressor_epilogue_reference(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, params, position_offset,
-        total_comp)
+    pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                                              ratio, coff, total_comp)
+    rows = row_epilogue.launch_rows(pooled, cu_seqlens_comp, position_offset, ratio,
+                                    norm_weight, eps, cos, sin, rope_dim, rotate)
+    if rows is not None:
+        return rows
+    return reference_epilogue.training_rows(pooled, cu_seqlens_comp, position_offset, ratio,
+                                            params)
 
 
 def _compressor_epilogue_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio,

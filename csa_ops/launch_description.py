@@ -58,6 +58,11 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("table_rows", Arg.I32), ("table_width", Arg.I32), ("num_pages", Arg.I32),
         ("page_size", Arg.I32), ("page_bytes", Arg.I32), ("ratio", Arg.I32),
         ("grid", Arg.I32)),
+    Direction.EPILOGUE: (
+        ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
+        ("cuc", Arg.IDX), ("position_offset", Arg.IDX), ("out", Arg.DATA),
+        ("num_rows", Arg.I32), ("num_segs", Arg.I32), ("table_rows", Arg.I32),
+        ("ratio", Arg.I32), ("grid", Arg.I32)),
 }
 
 

@@ -227,6 +227,12 @@ def compressor_epilogue_reference(kv, score, ape, cu_seqlens, cu_seqlens_comp, r
     kernel on CUDA), then ``epilogue_rows``."""
     pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
                                               ratio, coff, total_comp)
+    return training_rows(pooled, cu_seqlens_comp, position_offset, ratio, params)
+
+
+def training_rows(pooled, cu_seqlens_comp, position_offset, ratio: int,
+                  params: EpilogueParams) -> torch.Tensor:
+    """``epilogue_rows`` of csa::compressor's rows at their training positions."""
     positions, valid = training_positions(cu_seqlens_comp, position_offset, pooled.shape[0],
                                           ratio)
     return epilogue_rows(pooled, positions, valid, params)

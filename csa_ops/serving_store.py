@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dispatch, epilogue, reference_epilogue, reference_extend, serving, store_kernel
+from . import dispatch, epilogue, reference_epilogue, reference_extend, row_epilogue, serving
 from .reference import segment_of
 from .reference_epilogue import FORMATS, EpilogueParams
 
@@ -245,7 +245,7 @@ def extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_s
     args = (pooled, cu_seqlens_comp, kv.shape[0], cu_seqlens, start_pos, slots,
             kv_state.shape[0], norm_weight, eps, cos, sin, rope_dim, rotate, cache_format,
             cache, block_table, page_size, ratio)
-    if check_contents or not store_kernel.launch(*args):
+    if check_contents or not row_epilogue.launch_store(*args):
         epilogue_store(*args)
     return cu_seqlens_comp
 

@@ -50,8 +50,10 @@ class ProcessState:
         self.problems: dict[tuple, Any] = {}  # call metadata -> resolved problem
         self.multi_gpu: bool | None = None
         self.python_launch_path = False  # calls prepared now take the Python path
-        # csa_ops.store_kernel: csa::compressor_extend_store's epilogue by its kernel
+        # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (the training
+        # forward's is off until its H200 validation)
         self.store_kernel = True
+        self.training_epilogue_kernel = False
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native
         self.native_tag: str | None = None

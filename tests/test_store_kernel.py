@@ -1,7 +1,8 @@
-"""The row-epilogue kernel of csa::compressor_extend_store without a GPU: every format and
-the epilogue's options cross-compile for sm_90a and sm_100a through the users' entry
-(csa_ops.precompile_store), the PTX pins what the bitwise contract rests on, and the key's
-and support's rules. Its bytes are tested on the H200 (tests/gpu/test_store_kernel_gpu.py).
+"""The row-epilogue kernels without a GPU: the store's every format and the epilogue's
+options cross-compile for sm_90a and sm_100a through the users' entry
+(csa_ops.precompile_store), the training forward's too, the PTX pins what the bitwise
+contract rests on, and the key's and support's rules. Their bytes are tested on the H200
+(tests/gpu/test_store_kernel_gpu.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,27 @@ def test_every_configuration_compiles_and_pins_its_rounding(config, arch):
     fmt = config[0]
     conversions = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
     assert (conversions > 0) == (fmt in ("fp8_ds_mla", "fp8_block128"))
+
+
+TRAINING = (  # dtype, weight dtype, head_dim, rope_dim, rotate, position_offset
+    ("bfloat16", "float32", 512, 64, False, False),
+    ("float16", "bfloat16", 128, 64, True, True),
+    ("float32", "float32", 64, 0, False, True),
+    ("bfloat16", "bfloat16", 1024, 0, True, False),
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", TRAINING, ids=["-".join(map(str, c)) for c in TRAINING])
+def test_training_kernel_compiles_and_pins_its_rounding(config, arch):
+    dtype, weight, d, rope, rotate, offsets = config
+    key = plan.configure(dtype, weight, d, rope, rotate, "none", 1e-5, arch, offsets)
+    assert plan.supports(key)
+    ptx = compile_cache.ptx(Direction.EPILOGUE, key)
+    assert not re.search(r"\bfma\.", ptx) and not re.search(r"\b(mul|add|sub)\.f32\b", ptx)
+    assert ".ftz" not in ptx and "approx" not in ptx and ptx.count("sqrt.rn.f32") == 1
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "griddepcontrol.wait" in ptx
 
 
 def test_precompile_store_declines_what_the_kernel_does_not_take():

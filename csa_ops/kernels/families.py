@@ -73,7 +73,8 @@ KERNELS = {
                   Direction.BACKWARD: "kernels:StreamingBackward",
                   Direction.EXTEND: "extend:StreamingExtend"},
     # Not a pooling family: the row epilogue after csa::compressor_extend (an EpilogueKey).
-    "epilogue": {Direction.STORE: "kernels:RowEpilogueStore"},
+    "epilogue": {Direction.STORE: "store:RowEpilogueStore",
+                 Direction.EPILOGUE: "training:RowEpilogueRows"},
 }
 
 

@@ -17,7 +17,7 @@ import torch
 from helpers import assert_bitwise_equal
 
 import csa_ops
-from csa_ops import serving_store, store_kernel
+from csa_ops import epilogue, reference_epilogue, row_epilogue, serving_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -134,7 +134,7 @@ class Call:
 def test_adversarial_call_stores_the_torch_routes_bytes(case):
     call = Call(case, seed=CASES.index(case))
     kernel_args = call.args(case, DEVICE)
-    assert store_kernel.launch(*kernel_args), "the kernel did not take the call"
+    assert row_epilogue.launch_store(*kernel_args), "the kernel did not take the call"
     torch_args = call.args(case, DEVICE)
     serving_store.epilogue_store(*torch_args)
     cpu_args = call.args(case, "cpu")
@@ -154,7 +154,7 @@ def test_unsupported_calls_take_the_torch_route():
     call = Call(case)
     args = call.args(case, DEVICE)
     before = args[14].clone()
-    assert not store_kernel.launch(*args)
+    assert not row_epilogue.launch_store(*args)
     assert torch.equal(args[14], before)
 
 
@@ -164,13 +164,13 @@ def test_graph_replay_stores_what_eager_launches_store():
     csa_ops.precompile_store(case.head_dim, case.cache_format, case.rope_dim, case.rotate,
                              case.eps, case.dtype, case.weight_dtype)
     eager = call.args(case, DEVICE)
-    assert store_kernel.launch(*eager)
+    assert row_epilogue.launch_store(*eager)
     replayed = call.args(case, DEVICE)
-    assert store_kernel.launch(*replayed)  # a warm-up outside the capture
+    assert row_epilogue.launch_store(*replayed)  # a warm-up outside the capture
     replayed[14].copy_(call.cache.to(DEVICE))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        store_kernel.launch(*replayed)
+        row_epilogue.launch_store(*replayed)
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise_equal(replayed[14], eager[14], "cache")
@@ -178,7 +178,7 @@ def test_graph_replay_stores_what_eager_launches_store():
 
 def test_op_runs_the_kernel_and_the_torch_route_alike():
     """csa::compressor_extend_store end to end (the extend kernel, then the store kernel)
-    against the same call under store_kernel.torch_route()."""
+    against the same call under row_epilogue.torch_route()."""
     from serving_helpers import make_requests, step_inputs
 
     d, ratio, coff = 512, 4, 2
@@ -191,7 +191,7 @@ def test_op_runs_the_kernel_and_the_torch_route_alike():
     cos, sin = torch.cos(angles).float().to(DEVICE), torch.sin(angles).float().to(DEVICE)
     table = torch.arange(4 * 8, dtype=torch.int32, device=DEVICE).view(4, 8)
     caches = []
-    for route in (store_kernel.torch_route, None):
+    for route in (row_epilogue.torch_route, None):
         state = csa_ops.CompressorState(4, ratio, coff, d, torch.bfloat16, DEVICE)
         cache = serving_store.new_cache(32, PAGE_SIZE, d, "fp8_ds_mla", device=DEVICE)
         with route() if route else contextlib.nullcontext():
@@ -200,3 +200,62 @@ def test_op_runs_the_kernel_and_the_torch_route_alike():
                 cos, sin, 64, False, "fp8_ds_mla", cache, table, PAGE_SIZE, ratio, coff)
         caches.append(cache)
     assert_bitwise_equal(caches[1], caches[0], "cache")
+
+
+# The training forward's kernel (off by default until this file has run on the H200):
+# dtype, weight dtype, head_dim, rope_dim, rotate, position offsets, ratio, coff.
+TRAINING = [
+    (torch.bfloat16, torch.float32, 512, 64, False, False, 4, 2),
+    (torch.bfloat16, torch.bfloat16, 512, 64, False, True, 128, 1),
+    (torch.float16, torch.float32, 128, 64, True, True, 4, 2),
+    (torch.float32, torch.float16, 64, 0, False, False, 8, 1),
+    (torch.bfloat16, torch.float32, 1024, 32, True, False, 4, 1),
+]
+
+
+@pytest.mark.parametrize("config", TRAINING, ids=["-".join(str(v).replace("torch.", "")
+                                                        for v in c) for c in TRAINING])
+def test_training_kernel_gives_the_torch_routes_rows(config):
+    """csa::compressor_epilogue's forward by the kernel against its torch route on the same
+    pooled rows (directly, with edge rows), and end to end through the op: ragged
+    sequences, an empty one, padding rows past cu_seqlens_comp[-1], position offsets,
+    positions past the RoPE tables."""
+    dtype, weight_dtype, d, rope, rotate, offsets, ratio, coff = config
+    gen = torch.Generator().manual_seed(d + ratio)
+    lengths = (37 * ratio // 4, 0, 3, 129 * ratio // 4 + 1, 16 * ratio)
+    cu, cuc = csa_ops.offsets_for(lengths, ratio, device=DEVICE)
+    total = int(cuc[-1]) + 3
+    kv = torch.randn(int(cu[-1]), coff * d, generator=gen).to(DEVICE, dtype)
+    score = torch.randn(int(cu[-1]), coff * d, generator=gen).to(DEVICE, dtype)
+    ape = torch.randn(ratio, coff * d, generator=gen).to(DEVICE)
+    weight = (1 + 0.25 * torch.randn(d, generator=gen)).to(DEVICE, weight_dtype)
+    angles = torch.arange(40 * ratio, dtype=torch.float64)[:, None] * 10000.0 ** (
+        -torch.arange(0, max(rope, 2), 2, dtype=torch.float64) / max(rope, 2))
+    cos = torch.cos(angles)[:, : rope // 2].float().contiguous().to(DEVICE) if rope else None
+    sin = torch.sin(angles)[:, : rope // 2].float().contiguous().to(DEVICE) if rope else None
+    position_offset = (torch.tensor([5, 0, 17, 30 * ratio, 3], dtype=torch.int32, device=DEVICE)
+                       if offsets else None)
+    eps = 1e-6
+    kwargs = dict(ratio=ratio, coff=coff, norm_weight=weight, eps=eps, cos=cos, sin=sin,
+                  rope_dim=rope, rotate=rotate, position_offset=position_offset,
+                  total_comp=total)
+    params = reference_epilogue.EpilogueParams(weight, eps, cos, sin, rope, rotate)
+
+    pooled = torch.randn(total, d, generator=gen, dtype=torch.float64)
+    pooled[0] = 0.0
+    pooled[2, 1] = float("nan")
+    pooled[4, : d // 4] = 1e30
+    pooled = pooled.to(DEVICE, dtype)
+    with row_epilogue.kernel_route():
+        got = row_epilogue.launch_rows(pooled, cuc, position_offset, ratio, weight, eps, cos,
+                                       sin, rope, rotate)
+    assert got is not None, "the kernel did not take the call"
+    want = reference_epilogue.training_rows(pooled, cuc, position_offset, ratio, params)
+    assert_bitwise_equal(got, want, "rows")
+
+    with row_epilogue.kernel_route():
+        fused = epilogue.compressor_epilogue(kv, score, ape, cu, cuc, **kwargs)
+    with row_epilogue.torch_route():
+        composed = epilogue.compressor_epilogue(kv, score, ape, cu, cuc, **kwargs)
+    assert_bitwise_equal(fused, composed, "op rows")
+    assert bool((fused[int(cuc[-1]):] == 0).all())

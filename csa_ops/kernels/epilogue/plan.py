@@ -39,6 +39,8 @@ class EpilogueKey:
     eps: float
     arch: str
     pdl: bool = True
+    # The training kernel only: positions get csa::compressor_epilogue's position_offset.
+    position_offset: bool = False
 
     family = "epilogue"  # the kernel package (kernels.families.KERNELS)
 
@@ -76,9 +78,11 @@ class EpilogueKey:
 
 
 def configure(dtype: str, weight_dtype: str, head_dim: int, rope_dim: int, rotate: bool,
-              cache_format: str, eps: float, arch: str) -> EpilogueKey:
+              cache_format: str, eps: float, arch: str,
+              position_offset: bool = False) -> EpilogueKey:
+    """The key of a call's epilogue (the training kernel's: cache_format "none")."""
     return EpilogueKey(dtype, weight_dtype, head_dim, rope_dim, bool(rotate), cache_format,
-                       float(eps), arch)
+                       float(eps), arch, position_offset=bool(position_offset))
 
 
 def supports(key: EpilogueKey) -> bool:

@@ -1,15 +1,11 @@
-"""The row epilogue of csa::compressor_extend_store: per pooled row, RMSNorm, RoPE at the
-row's position, the optional Hadamard rotation, one cache format and the paged store.
+"""The row epilogue of csa::compressor_extend_store: per pooled row, the steps of rows.py,
+one cache format and the paged store.
 
-Every step is the reference's operation for operation (csa_ops/reference_epilogue.py): fp32
-arithmetic with each product and sum rounded on its own (common.*_rn: no contracted FMA),
-the mean's pairwise tree in its column order, the correctly rounded square root and
-division, a rounding to the row dtype after each step, and the formats' scales and codes
-from the same exact bit operations. So a stored row is bitwise the composition's.
-
-One CTA per row of the call's output capacity; rows past cu_seqlens_comp[-1], rows of
-invalid requests and rows whose block-table entry is out of range write nothing. The kernel
-runs after the extend kernel in the same stream (PDL: it waits for it before any access).
+The formats' scales and codes come from the reference's exact bit operations
+(shared/formats.py), so a stored row is bitwise the composition's. One CTA per row of the
+call's output capacity; rows past cu_seqlens_comp[-1], rows of invalid requests and rows
+whose block-table entry is out of range write nothing. The kernel runs after the extend
+kernel in the same stream (PDL: it waits for it before any access).
 """
 
 from __future__ import annotations
@@ -17,12 +13,12 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
-from cutlass._mlir_helpers.math import RoundingMode
 from cutlass.memory import SmemAllocator
 
 from ..shared import common as cm
 from ..shared import formats as fm
 from .plan import BLOCK_COLUMNS, EpilogueKey
+from .rows import RowEpilogue, doublings
 
 INT32_MAX = 2**31 - 1
 DS_MLA_FP8_COLUMNS = 448
@@ -32,132 +28,16 @@ SCALE_FLOOR = {"fp8_ds_mla": 1e-4, "mxfp4": fm.FP4_MAX * 2.0**-126}
 SCALE_TOP = {"fp8_ds_mla": fm.FP8_MAX, "mxfp4": fm.FP4_MAX}
 
 
-def _halvings(n: int) -> tuple[int, ...]:
-    """n/2, n/4, ..., 1 (n a power of two)."""
-    return tuple(n >> s for s in range(1, n.bit_length()))
-
-
-def _doublings(n: int) -> tuple[int, ...]:
-    """1, 2, ..., n/2 (n a power of two)."""
-    return tuple(reversed(_halvings(n)))
-
-
-class RowEpilogueStore:
-    """One compiled configuration (an EpilogueKey); every attribute is a compile-time
-    constant. A CTA of `threads` threads owns one row; see plan.py for the two layouts."""
+class RowEpilogueStore(RowEpilogue):
+    """Serving: the epilogue of the extend kernel's rows, encoded and stored into a paged
+    cache (the contiguous layout of plan.py for the encoding)."""
 
     def __init__(self, key: EpilogueKey) -> None:
-        self.key = key
-        self.dtype = cm.dsl_type(key.dtype)
-        self.weight_dtype = cm.dsl_type(key.weight_dtype)
-        self.cache_dtype = cm.dsl_type(key.cache_dtype)
-        self.D, self.T, self.V = key.head_dim, key.threads, key.vec
-        self.rope_dim, self.rotate, self.format = key.rope_dim, key.rotate, key.cache_format
-        self.pdl = key.pdl
-        self.eps = key.eps
-        self.rotate_scale = key.head_dim**-0.5
-        self.block = BLOCK_COLUMNS.get(key.cache_format, 0)
-        # Compile-time step lists: in-thread halvings of the mean's tree and its lane
-        # halvings; the rotation's lane strides and in-thread strides; a block's lane offsets.
-        self.tree_widths = _halvings(self.V)
-        self.tree_lanes = _halvings(self.T)
-        self.lane_strides = _doublings(self.T)
-        self.thread_strides = _doublings(self.V)
-        self.block_lanes = _doublings(max(self.block // self.V, 1))
+        super().__init__(key)
+        self.format = key.cache_format
+        self.block = BLOCK_COLUMNS.get(key.cache_format, 0)  # columns per scale
+        self.block_lanes = doublings(max(self.block // self.V, 1))  # its shuffle offsets
 
-    # ------------------------------------------------------------ cross-thread exchanges
-    @cute.jit
-    def exchange(self, value: Float32, stride: cutlass.Constexpr[int], sX: cute.Tensor,
-                 tid: Int32) -> Float32:
-        """The value of thread tid ^ stride: a shuffle inside a warp, else shared memory."""
-        result = Float32(0.0)
-        if cutlass.const_expr(stride < 32):
-            result = cute.arch.shuffle_sync_bfly(value, offset=stride)
-        else:
-            sX[tid] = value
-            cute.arch.sync_threads()
-            result = sX[tid ^ stride]
-            cute.arch.sync_threads()
-        return result
-
-    @cute.jit
-    def row_sum(self, values: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
-        """The pairwise tree of reference_epilogue.row_mean over the strided row (column j
-        plus column j + w/2, w halving from head_dim), broadcast to every thread."""
-        for step in cutlass.range_constexpr(len(self.tree_widths)):
-            width = self.tree_widths[step]
-            for k in cutlass.range_constexpr(width):
-                values[k] = cm.add_rn(values[k], values[k + width])
-        total = values[0]
-        for step in cutlass.range_constexpr(len(self.tree_lanes)):
-            total = cm.add_rn(total, self.exchange(total, self.tree_lanes[step], sX, tid))
-        # Thread 0 holds the tree's root (other threads hold partial trees).
-        if tid == 0:
-            sX[0] = total
-        cute.arch.sync_threads()
-        total = sX[0]
-        cute.arch.sync_threads()
-        return total
-
-    # ------------------------------------------------------------ the epilogue steps
-    @cute.jit
-    def to_dtype(self, x: Float32) -> Float32:
-        return Float32(self.dtype(x))
-
-    @cute.jit
-    def rms_norm(self, rX: cute.Tensor, p_weight, sX: cute.Tensor, tid: Int32):
-        rSq = cute.make_rmem_tensor((self.V,), Float32)
-        for k in cutlass.range_constexpr(self.V):
-            rSq[k] = cm.mul_rn(rX[k], rX[k])
-        mean = cm.div_rn(self.row_sum(rSq, sX, tid), Float32(float(self.D)))
-        root = cute.math.sqrt(cm.add_rn(mean, Float32(self.eps)),
-                              rounding=RoundingMode.NEAREST_EVEN)
-        inverse = cm.div_rn(Float32(1.0), root)
-        weight = cute.make_tensor(p_weight, self.D)
-        for k in cutlass.range_constexpr(self.V):
-            w = Float32(weight[tid + k * self.T])
-            rX[k] = self.to_dtype(cm.mul_rn(cm.mul_rn(rX[k], inverse), w))
-
-    @cute.jit
-    def rope(self, rX: cute.Tensor, p_cos, p_sin, table_row: Int64, tid: Int32):
-        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes."""
-        half = self.rope_dim // 2
-        first = self.D - self.rope_dim
-        cos = cute.make_tensor(p_cos + table_row * half, half)
-        sin = cute.make_tensor(p_sin + table_row * half, half)
-        odd = (tid & 1) == 1
-        for k in cutlass.range_constexpr(self.V):
-            partner = cute.arch.shuffle_sync_bfly(rX[k], offset=1)
-            column = tid + k * self.T
-            if column >= first:
-                pair = (column - first) // 2
-                c, s = cos[pair], sin[pair]
-                if odd:  # even * sin + odd * cos
-                    rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(partner, s), cm.mul_rn(rX[k], c)))
-                else:  # even * cos - odd * sin
-                    rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(rX[k], c), cm.mul_rn(partner, s)))
-
-    @cute.jit
-    def hadamard(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32):
-        """Butterflies of stride 1, 2, ..., head_dim / 2 (low + high, low - high), then the
-        scale d**-0.5 in fp32: across lanes while the stride is below `threads`."""
-        for s in cutlass.range_constexpr(len(self.lane_strides)):
-            stride = self.lane_strides[s]
-            high = (tid & stride) != 0
-            for k in cutlass.range_constexpr(self.V):
-                other = self.exchange(rX[k], stride, sX, tid)
-                rX[k] = cm.pick(high, cm.sub_rn(other, rX[k]), cm.add_rn(rX[k], other))
-        for s in cutlass.range_constexpr(len(self.thread_strides)):
-            step = self.thread_strides[s]
-            for k in cutlass.range_constexpr(self.V):
-                if cutlass.const_expr(k & step == 0):
-                    low, high_value = rX[k], rX[k + step]
-                    rX[k] = cm.add_rn(low, high_value)
-                    rX[k + step] = cm.sub_rn(low, high_value)
-        for k in cutlass.range_constexpr(self.V):
-            rX[k] = self.to_dtype(cm.mul_rn(rX[k], Float32(self.rotate_scale)))
-
-    # ------------------------------------------------------------ encodings
     @cute.jit
     def block_amax(self, rZ: cute.Tensor):
         """(amax, finite) of the scale block of this thread's contiguous columns: the lanes
@@ -316,16 +196,8 @@ class RowEpilogueStore:
             table_width, num_pages, page_size, ratio)
         if writes:  # the same for every thread of the CTA
             rX = cute.make_rmem_tensor((self.V,), Float32)
-            row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
-            for k in cutlass.range_constexpr(self.V):
-                rX[k] = Float32(row[tid + k * self.T])
-            self.rms_norm(rX, p_weight, sRow, tid)
-            if cutlass.const_expr(self.rope_dim > 0):
-                table_row = cutlass.min(cutlass.max(position, Int64(0)),
-                                        Int64(table_rows) - 1)
-                self.rope(rX, p_cos, p_sin, table_row, tid)
-            if cutlass.const_expr(self.rotate):
-                self.hadamard(rX, sRow, tid)
+            self.finish_row(p_rows, n, p_weight, p_cos, p_sin, position, table_rows, sRow,
+                            tid, rX)
             # Strided to contiguous through shared memory.
             for k in cutlass.range_constexpr(self.V):
                 sRow[tid + k * self.T] = rX[k]

@@ -1,0 +1,156 @@
+"""The row epilogue's steps, shared by its kernels: RMSNorm, RoPE at a row's position and
+the Hadamard rotation of one pooled row per CTA, in the strided layout (plan.py).
+
+Every step is the reference's operation for operation (csa_ops/reference_epilogue.py): fp32
+arithmetic with each product and sum rounded on its own (common.*_rn: no contracted FMA),
+the mean's pairwise tree in its column order, the correctly rounded square root and
+division, and a rounding to the row dtype after each step. So a row is bitwise the
+composition's.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass._mlir_helpers.math import RoundingMode
+
+from ..shared import common as cm
+from .plan import EpilogueKey
+
+
+def halvings(n: int) -> tuple[int, ...]:
+    """n/2, n/4, ..., 1 (n a power of two)."""
+    return tuple(n >> s for s in range(1, n.bit_length()))
+
+
+def doublings(n: int) -> tuple[int, ...]:
+    """1, 2, ..., n/2 (n a power of two)."""
+    return tuple(reversed(halvings(n)))
+
+
+class RowEpilogue:
+    """The base of the row-epilogue kernels: one compiled configuration (an EpilogueKey),
+    every attribute a compile-time constant. A CTA of `threads` threads owns one row."""
+
+    def __init__(self, key: EpilogueKey) -> None:
+        self.key = key
+        self.dtype = cm.dsl_type(key.dtype)
+        self.weight_dtype = cm.dsl_type(key.weight_dtype)
+        self.D, self.T, self.V = key.head_dim, key.threads, key.vec
+        self.rope_dim, self.rotate = key.rope_dim, key.rotate
+        self.pdl = key.pdl
+        self.eps = key.eps
+        self.rotate_scale = key.head_dim**-0.5
+        # Compile-time step lists: in-thread halvings of the mean's tree and its lane
+        # halvings; the rotation's lane strides and in-thread strides.
+        self.tree_widths = halvings(self.V)
+        self.tree_lanes = halvings(self.T)
+        self.lane_strides = doublings(self.T)
+        self.thread_strides = doublings(self.V)
+
+    # ------------------------------------------------------------ cross-thread exchanges
+    @cute.jit
+    def exchange(self, value: Float32, stride: cutlass.Constexpr[int], sX: cute.Tensor,
+                 tid: Int32) -> Float32:
+        """The value of thread tid ^ stride: a shuffle inside a warp, else shared memory."""
+        result = Float32(0.0)
+        if cutlass.const_expr(stride < 32):
+            result = cute.arch.shuffle_sync_bfly(value, offset=stride)
+        else:
+            sX[tid] = value
+            cute.arch.sync_threads()
+            result = sX[tid ^ stride]
+            cute.arch.sync_threads()
+        return result
+
+    @cute.jit
+    def row_sum(self, values: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
+        """The pairwise tree of reference_epilogue.row_mean over the strided row (column j
+        plus column j + w/2, w halving from head_dim), broadcast to every thread."""
+        for step in cutlass.range_constexpr(len(self.tree_widths)):
+            width = self.tree_widths[step]
+            for k in cutlass.range_constexpr(width):
+                values[k] = cm.add_rn(values[k], values[k + width])
+        total = values[0]
+        for step in cutlass.range_constexpr(len(self.tree_lanes)):
+            total = cm.add_rn(total, self.exchange(total, self.tree_lanes[step], sX, tid))
+        # Thread 0 holds the tree's root (other threads hold partial trees).
+        if tid == 0:
+            sX[0] = total
+        cute.arch.sync_threads()
+        total = sX[0]
+        cute.arch.sync_threads()
+        return total
+
+    # ------------------------------------------------------------ the epilogue steps
+    @cute.jit
+    def to_dtype(self, x: Float32) -> Float32:
+        return Float32(self.dtype(x))
+
+    @cute.jit
+    def rms_norm(self, rX: cute.Tensor, p_weight, sX: cute.Tensor, tid: Int32):
+        rSq = cute.make_rmem_tensor((self.V,), Float32)
+        for k in cutlass.range_constexpr(self.V):
+            rSq[k] = cm.mul_rn(rX[k], rX[k])
+        mean = cm.div_rn(self.row_sum(rSq, sX, tid), Float32(float(self.D)))
+        root = cute.math.sqrt(cm.add_rn(mean, Float32(self.eps)),
+                              rounding=RoundingMode.NEAREST_EVEN)
+        inverse = cm.div_rn(Float32(1.0), root)
+        weight = cute.make_tensor(p_weight, self.D)
+        for k in cutlass.range_constexpr(self.V):
+            w = Float32(weight[tid + k * self.T])
+            rX[k] = self.to_dtype(cm.mul_rn(cm.mul_rn(rX[k], inverse), w))
+
+    @cute.jit
+    def rope(self, rX: cute.Tensor, p_cos, p_sin, table_row: Int64, tid: Int32):
+        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes."""
+        half = self.rope_dim // 2
+        first = self.D - self.rope_dim
+        cos = cute.make_tensor(p_cos + table_row * half, half)
+        sin = cute.make_tensor(p_sin + table_row * half, half)
+        odd = (tid & 1) == 1
+        for k in cutlass.range_constexpr(self.V):
+            partner = cute.arch.shuffle_sync_bfly(rX[k], offset=1)
+            column = tid + k * self.T
+            if column >= first:
+                pair = (column - first) // 2
+                c, s = cos[pair], sin[pair]
+                if odd:  # even * sin + odd * cos
+                    rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(partner, s), cm.mul_rn(rX[k], c)))
+                else:  # even * cos - odd * sin
+                    rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(rX[k], c), cm.mul_rn(partner, s)))
+
+    @cute.jit
+    def hadamard(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32):
+        """Butterflies of stride 1, 2, ..., head_dim / 2 (low + high, low - high), then the
+        scale d**-0.5 in fp32: across lanes while the stride is below `threads`."""
+        for s in cutlass.range_constexpr(len(self.lane_strides)):
+            stride = self.lane_strides[s]
+            high = (tid & stride) != 0
+            for k in cutlass.range_constexpr(self.V):
+                other = self.exchange(rX[k], stride, sX, tid)
+                rX[k] = cm.pick(high, cm.sub_rn(other, rX[k]), cm.add_rn(rX[k], other))
+        for s in cutlass.range_constexpr(len(self.thread_strides)):
+            step = self.thread_strides[s]
+            for k in cutlass.range_constexpr(self.V):
+                if cutlass.const_expr(k & step == 0):
+                    low, high_value = rX[k], rX[k + step]
+                    rX[k] = cm.add_rn(low, high_value)
+                    rX[k + step] = cm.sub_rn(low, high_value)
+        for k in cutlass.range_constexpr(self.V):
+            rX[k] = self.to_dtype(cm.mul_rn(rX[k], Float32(self.rotate_scale)))
+
+    @cute.jit
+    def finish_row(self, p_rows, n: Int32, p_weight, p_cos, p_sin, position: Int64,
+                   table_rows: Int32, sRow: cute.Tensor, tid: Int32, rX: cute.Tensor):
+        """rX <- pooled row n (strided) after RMSNorm, RoPE at ``position`` (clamped into
+        the tables, as the reference's lookup is) and the rotation, in the row dtype."""
+        row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
+        for k in cutlass.range_constexpr(self.V):
+            rX[k] = Float32(row[tid + k * self.T])
+        self.rms_norm(rX, p_weight, sRow, tid)
+        if cutlass.const_expr(self.rope_dim > 0):
+            table_row = cutlass.min(cutlass.max(position, Int64(0)), Int64(table_rows) - 1)
+            self.rope(rX, p_cos, p_sin, table_row, tid)
+        if cutlass.const_expr(self.rotate):
+            self.hadamard(rX, sRow, tid)

@@ -1,0 +1,145 @@
+"""The CUDA route of the epilogue ops' row epilogue: one launch of a row-epilogue kernel
+(kernels/epilogue/) after the pooling kernel, in place of the composition's few dozen torch
+kernels.
+
+- ``launch_store``: csa::compressor_extend_store's epilogue, encoding and paged store after
+  the extend kernel (on by default; tested bitwise on the H200).
+- ``launch_rows``: csa::compressor_epilogue's forward epilogue after csa::compressor's
+  kernel, rows packed. Off by default (``STATE.training_epilogue_kernel``) until its H200
+  run: ``kernel_route()`` turns it on (its GPU tests do).
+
+The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
+operation, so the results are the torch route's bytes; calls a kernel does not take (fp64
+rows, non-power-of-two head_dim, a non-contiguous or misaligned output, other GPUs) keep the
+torch route. Nothing here synchronizes: a step stays capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import dispatch
+from .config import DTYPES, Direction
+from .kernels.epilogue import plan
+from .launch_description import CallSpec, Launch, current_stream_handle, python_call
+from .state import STATE
+
+_DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}
+_STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots", "cuc",
+                 "block_table", "cache")
+_ROWS_INPUTS = ("rows", "norm_weight", "cos", "sin", "cuc", "position_offset")
+# Call metadata -> the prepared launch (cleared with every other prepared call).
+_PREPARED = dispatch.PreparedCalls()
+
+
+@contextlib.contextmanager
+def _route(store: bool, rows: bool):
+    previous = STATE.store_kernel, STATE.training_epilogue_kernel
+    STATE.store_kernel, STATE.training_epilogue_kernel = store, rows
+    try:
+        yield
+    finally:
+        STATE.store_kernel, STATE.training_epilogue_kernel = previous
+
+
+def torch_route():
+    """Within: both epilogue ops run their epilogue as torch ops on CUDA too (the
+    composition the kernels are tested against, and the benchmarks' baseline)."""
+    return _route(False, False)
+
+
+def kernel_route():
+    """Within: both epilogue ops run their epilogue by the kernels where they take the call."""
+    return _route(True, True)
+
+
+def _key(rows, norm_weight, eps: float, rope_dim: int, rotate: bool, cache_format: str,
+         host, position_offset: bool = False) -> plan.EpilogueKey | None:
+    dtype = _DTYPE_NAMES.get(rows.dtype)
+    weight_dtype = _DTYPE_NAMES.get(norm_weight.dtype)
+    arch = host.device_arch(rows.device)
+    if dtype is None or weight_dtype is None or arch is None:
+        return None
+    key = plan.configure(dtype, weight_dtype, rows.shape[1], rope_dim, rotate, cache_format,
+                         eps, arch, position_offset)
+    return key if plan.supports(key) else None
+
+
+def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of, constants_of,
+              device_index: int):
+    """The memo's call for ``signature``, prepared on first use from ``key_of(host)`` and
+    ``constants_of()``; ``_NOT_TAKEN`` where the kernel does not take it."""
+    call = _PREPARED.get(signature)
+    if call is not None:
+        return call
+    host = dispatch.launch_path(_PREPARED)
+    key = key_of(host)
+    if key is None:
+        return _PREPARED.remember(signature, _NOT_TAKEN)
+    constants = constants_of()
+    spec = CallSpec(direction=direction, key=key, inputs=inputs, outputs=outputs,
+                    launches=(Launch(host.KERNELS.get(direction, key), constants),),
+                    in_place=in_place, live="rows")
+    return _PREPARED.remember(signature, python_call(spec, current_stream_handle, device_index,
+                                                     host.multi_gpu()))
+
+
+def _NOT_TAKEN(*tensors):  # a signature the kernel does not take
+    return None
+
+
+def launch_store(rows, cu_seqlens_comp, num_tokens: int, cu_seqlens, start_pos, slots,
+                 num_slots: int, norm_weight, eps: float, cos, sin, rope_dim: int,
+                 rotate: bool, cache_format: str, cache, block_table, page_size: int,
+                 ratio: int) -> bool:
+    """Launch the store kernel for serving_store.epilogue_store's arguments (``rows``: the
+    extend kernel's output); False where it does not take the call (nothing launched)."""
+    if not (STATE.store_kernel and rows.is_cuda and rows.shape[0] and cache.is_contiguous()):
+        return False
+    tensors = (rows, norm_weight, cos, sin, cu_seqlens, start_pos, slots, cu_seqlens_comp,
+               block_table, cache)
+    signature = dispatch.signature(tensors, Direction.STORE, float(eps), rope_dim, rotate,
+                                   cache_format, page_size, ratio, num_tokens, num_slots)
+
+    def constants():
+        return {
+            "num_rows": rows.shape[0], "num_requests": start_pos.shape[0],
+            "num_tokens": num_tokens, "num_slots": num_slots,
+            "table_rows": max(cos.shape[0], 1), "table_width": block_table.shape[1],
+            "num_pages": cache.shape[0], "page_size": page_size,
+            "page_bytes": cache.shape[1] if cache_format == "fp8_ds_mla" else 0,
+            "ratio": ratio, "grid": rows.shape[0]}
+
+    call = _prepared(
+        signature, Direction.STORE, _STORE_INPUTS, {}, ("cache",),
+        lambda host: _key(rows, norm_weight, eps, rope_dim, rotate, cache_format, host),
+        constants, rows.device.index or 0)
+    return call(*tensors) is not None
+
+
+def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight, eps: float,
+                cos, sin, rope_dim: int, rotate: bool):
+    """The training forward's epilogue of csa::compressor's ``rows`` by the kernel: the
+    rows ``reference_epilogue.epilogue_rows`` computes at the training positions, or None
+    where the kernel does not take the call (nothing launched)."""
+    if not (STATE.training_epilogue_kernel and rows.is_cuda and rows.shape[0]):
+        return None
+    offsets = position_offset is not None
+    offset = position_offset if offsets else cu_seqlens_comp  # never read without offsets
+    if cos is None:  # rope_dim 0: the tables are never read
+        cos = sin = rows.new_empty(0, 0, dtype=torch.float32)
+    tensors = (rows, norm_weight, cos, sin, cu_seqlens_comp, offset)
+    signature = dispatch.signature(tensors, Direction.EPILOGUE, float(eps), rope_dim, rotate,
+                                   offsets, ratio)
+
+    def constants():
+        return {"num_rows": rows.shape[0], "num_segs": cu_seqlens_comp.shape[0] - 1,
+                "table_rows": max(cos.shape[0], 1), "ratio": ratio, "grid": rows.shape[0]}
+
+    call = _prepared(
+        signature, Direction.EPILOGUE, _ROWS_INPUTS, {"out": ("rows", None)}, (),
+        lambda host: _key(rows, norm_weight, eps, rope_dim, rotate, "none", host, offsets),
+        constants, rows.device.index or 0)
+    return call(*tensors)
