@@ -643,3 +643,29 @@ def test_compressor_block_extend_stores_its_forward_rows_encoded():
     with pytest.raises(ValueError, match="describe a `cache`"):
         block.extend(torch.cat(pieces[1]), cu, torch.tensor(starts[1], dtype=torch.int32),
                      slots, state, block_table=table)
+
+
+@pytest.mark.parametrize("cache_format, rope_dim, rotate", FORMAT_CASES[1:])
+def test_compiled_steps_store_what_eager_steps_store(cache_format, rope_dim, rotate):
+    """torch.compile(fullgraph=True) of a serving step (the op mutating the state and the
+    cache in place, then a use of the offsets): a prefill piece and decode steps leave the
+    state, the cache and the offsets bitwise as eager steps do."""
+    torch._dynamo.reset()
+    eager = Serving(cache_format, LENGTHS, RATIO, COFF, rope_dim, rotate)
+    compiled = Serving(cache_format, LENGTHS, RATIO, COFF, rope_dim, rotate)
+
+    @torch.compile(fullgraph=True)
+    def step(*args):
+        return OP(*args) * 2
+
+    schedule = random_schedule(list(LENGTHS), RATIO, seed=5, decode_tail=3)
+    consumed = [0] * len(LENGTHS)
+    for piece in schedule:
+        want = OP(*eager.args(piece, consumed)) * 2
+        got = step(*compiled.args(piece, consumed))
+        assert_bitwise_equal(got, want, "offsets")
+        for i, n in piece:
+            consumed[i] += n
+    assert_bitwise_equal(compiled.cache, eager.cache, "cache")
+    assert_bitwise_equal(compiled.state.kv, eager.state.kv, "kv_state")
+    assert_bitwise_equal(compiled.state.score, eager.state.score, "score_state")

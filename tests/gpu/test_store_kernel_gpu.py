@@ -177,8 +177,9 @@ def test_graph_replay_stores_what_eager_launches_store():
 
 
 def test_op_runs_the_kernel_and_the_torch_route_alike():
-    """csa::compressor_extend_store end to end (the extend kernel, then the store kernel)
-    against the same call under row_epilogue.torch_route()."""
+    """csa::compressor_extend_store end to end (the extend kernel, then the store kernel),
+    eager and under torch.compile(fullgraph=True), against the same call under
+    row_epilogue.torch_route()."""
     from serving_helpers import make_requests, step_inputs
 
     d, ratio, coff = 512, 4, 2
@@ -190,16 +191,19 @@ def test_op_runs_the_kernel_and_the_torch_route_alike():
         -torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     cos, sin = torch.cos(angles).float().to(DEVICE), torch.sin(angles).float().to(DEVICE)
     table = torch.arange(4 * 8, dtype=torch.int32, device=DEVICE).view(4, 8)
+    op = torch.ops.csa.compressor_extend_store.default
+    compiled = torch.compile(lambda *args: op(*args) + 0, fullgraph=True)
     caches = []
-    for route in (row_epilogue.torch_route, None):
+    for route, call in ((row_epilogue.torch_route, op), (contextlib.nullcontext, op),
+                        (contextlib.nullcontext, compiled)):
         state = csa_ops.CompressorState(4, ratio, coff, d, torch.bfloat16, DEVICE)
         cache = serving_store.new_cache(32, PAGE_SIZE, d, "fp8_ds_mla", device=DEVICE)
-        with route() if route else contextlib.nullcontext():
-            torch.ops.csa.compressor_extend_store.default(
-                kv, score, req.ape, cu, start_pos, slots, state.kv, state.score, weight, 1e-6,
-                cos, sin, 64, False, "fp8_ds_mla", cache, table, PAGE_SIZE, ratio, coff)
+        with route():
+            call(kv, score, req.ape, cu, start_pos, slots, state.kv, state.score, weight, 1e-6,
+                 cos, sin, 64, False, "fp8_ds_mla", cache, table, PAGE_SIZE, ratio, coff)
         caches.append(cache)
-    assert_bitwise_equal(caches[1], caches[0], "cache")
+    assert_bitwise_equal(caches[1], caches[0], "cache (kernel)")
+    assert_bitwise_equal(caches[2], caches[0], "cache (compiled, kernel)")
 
 
 # The training forward's kernel (off by default until this file has run on the H200):
