@@ -22,6 +22,7 @@ import sys
 from csa_ops import host
 from csa_ops.config import ARCHS, Direction, with_knobs
 from csa_ops.kernels import FAMILIES
+from csa_ops.kernels.epilogue import plan as epilogue_plan
 
 # (family, ratio, coff, head_dim, dtype, directions, knob overrides of the heuristic key)
 CASES = (
@@ -63,6 +64,18 @@ CASES = (
     ("streaming", 128, 1, 512, "bfloat16", "e", {"part": 2}),
     ("streaming", 128, 1, 512, "bfloat16", "e", {"part": 2, "lane_requests": 1}),
 )
+# The letters of CASES' direction column: the pooling kernels' three directions.
+_DIRECTIONS = {"f": Direction.FORWARD, "b": Direction.BACKWARD, "e": Direction.EXTEND}
+# The row-epilogue kernels: (direction, dtype, weight dtype, head_dim, rope_dim, rotate,
+# cache format, position offsets).
+EPILOGUE_CASES = (
+    (Direction.STORE, "bfloat16", "float32", 512, 64, False, "fp8_ds_mla", False),
+    (Direction.STORE, "bfloat16", "bfloat16", 128, 64, True, "mxfp4", False),
+    (Direction.STORE, "float16", "float32", 128, 0, False, "fp8_block128", False),
+    (Direction.STORE, "float32", "float32", 512, 64, True, "none", False),
+    (Direction.EPILOGUE, "bfloat16", "float32", 512, 64, False, "none", True),
+    (Direction.EPILOGUE, "float16", "bfloat16", 128, 64, True, "none", False),
+)
 ROLES = ("main", "grad_ape sum")
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 
@@ -79,8 +92,8 @@ def hashes(arch: str, only: str = ""):
     """{label: {"key": repr(key), "kernels": [{name, sha256, sha256_unnamed}]}}."""
     result = {}
     for family, ratio, coff, head_dim, dtype, dirs, knobs in CASES:
-        for direction in Direction:
-            if direction[0] not in dirs:
+        for letter, direction in _DIRECTIONS.items():
+            if letter not in dirs:
                 continue
             settings = "".join(f" {k}={v}" for k, v in sorted(knobs.items()))
             label = (f"{arch} {family} r{ratio}c{coff} d{head_dim} {dtype} {direction}"
@@ -90,14 +103,25 @@ def hashes(arch: str, only: str = ""):
             key = FAMILIES[family].configure(ratio, coff, head_dim, dtype, arch,
                                              Direction(direction))
             key = with_knobs(key, **knobs)
-            kernels = [{"name": name,
-                        "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                        "sha256_unnamed": hashlib.sha256(
-                            text.replace(name, "ENTRY").encode()).hexdigest()}
-                       for name, text in entries(host.ptx(direction, key))]
+            kernels = _kernels(host.ptx(direction, key))
             result[label] = {"key": repr(key), "kernels": kernels}
             print(label, " ".join(k["sha256"][:12] for k in kernels), flush=True)
+    for direction, dtype, weight, head_dim, rope, rotate, fmt, offsets in EPILOGUE_CASES:
+        label = (f"{arch} epilogue {direction} {dtype} w{weight} d{head_dim} rope{rope}"
+                 f"{' rot' if rotate else ''} {fmt}{' offsets' if offsets else ''}")
+        if only not in label:
+            continue
+        key = epilogue_plan.configure(dtype, weight, head_dim, rope, rotate, fmt, 1e-6, arch,
+                                      offsets)
+        result[label] = {"key": repr(key), "kernels": _kernels(host.ptx(direction, key))}
+        print(label, " ".join(k["sha256"][:12] for k in result[label]["kernels"]), flush=True)
     return result
+
+
+def _kernels(ptx: str) -> list[dict]:
+    return [{"name": name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+             "sha256_unnamed": hashlib.sha256(text.replace(name, "ENTRY").encode()).hexdigest()}
+            for name, text in entries(ptx)]
 
 
 def compare(now: dict, before: dict) -> bool:
