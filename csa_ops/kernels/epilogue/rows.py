@@ -13,6 +13,7 @@ from __future__ import annotations
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
 from cutlass._mlir_helpers.math import RoundingMode
+from cutlass.memory import SmemAllocator
 
 from ..shared import common as cm
 from .plan import EpilogueKey
@@ -139,6 +140,16 @@ class RowEpilogue:
                     rX[k + step] = cm.sub_rn(low, high_value)
         for k in cutlass.range_constexpr(self.V):
             rX[k] = self.to_dtype(cm.mul_rn(rX[k], Float32(self.rotate_scale)))
+
+    @cute.jit
+    def row_of_cta(self):
+        """(thread, row, the row's fp32 shared-memory buffer) of a CTA, after the PDL wait
+        for the pooling kernel: one CTA per row."""
+        cm.await_upstream(self.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        n, _, _ = cute.arch.block_idx()
+        sRow = SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.D), 16)
+        return tid, n, sRow
 
     @cute.jit
     def finish_row(self, p_rows, n: Int32, p_weight, p_cos, p_sin, position: Int64,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
-from cutlass.memory import SmemAllocator
 
 from ..shared import common as cm
 from ..shared import formats as fm
@@ -186,11 +185,7 @@ class RowEpilogueStore(RowEpilogue):
                p_cache, num_rows: Int32, num_requests: Int32, num_tokens: Int32,
                num_slots: Int32, table_rows: Int32, table_width: Int32, num_pages: Int32,
                page_size: Int32, page_bytes: Int32, ratio: Int32):
-        cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        n, _, _ = cute.arch.block_idx()
-        smem = SmemAllocator()
-        sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
+        tid, n, sRow = self.row_of_cta()
         writes, cache_row, position = self.target(
             p_cu, p_start, p_slots, p_cuc, p_table, n, num_requests, num_tokens, num_slots,
             table_width, num_pages, page_size, ratio)

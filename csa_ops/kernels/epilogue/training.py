@@ -12,7 +12,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.memory import SmemAllocator
 
 from ..shared import common as cm
 from .plan import EpilogueKey
@@ -45,11 +44,7 @@ class RowEpilogueRows(RowEpilogue):
     @cute.kernel
     def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_out, num_rows: Int32,
                num_segs: Int32, table_rows: Int32, ratio: Int32):
-        cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        n, _, _ = cute.arch.block_idx()
-        smem = SmemAllocator()
-        sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
+        tid, n, sRow = self.row_of_cta()
         valid, position = self.position(p_cuc, p_offset, n, num_segs, ratio)
         rX = cute.make_rmem_tensor((self.V,), Float32)
         rX.fill(0.0)
