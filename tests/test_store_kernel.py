@@ -110,3 +110,22 @@ def test_key_shapes_and_checks():
                       rotate=False, cache_format="none", eps=1e-6, arch="sm_90a") | bad
         with pytest.raises(ValueError, match="EpilogueKey"):
             plan.EpilogueKey(**fields)
+
+
+def test_routes_and_defaults():
+    """The store kernel is on by default, the training forward's off until its H200 run;
+    torch_route() turns both off and kernel_route() both on, each restoring the state
+    before; on the CPU neither kernel takes a call."""
+    from csa_ops import row_epilogue
+    from csa_ops.state import STATE
+
+    assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (True, False)
+    with row_epilogue.kernel_route():
+        assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (True, True)
+        with row_epilogue.torch_route():
+            assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (False, False)
+        rows = torch.randn(6, 64)
+        cuc = torch.tensor([0, 4, 6], dtype=torch.int32)
+        assert row_epilogue.launch_rows(rows, cuc, None, 4, torch.ones(64), 1e-6, None, None,
+                                        0, False) is None
+    assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (True, False)
