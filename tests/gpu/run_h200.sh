@@ -4,8 +4,8 @@
 # the GPU. Usage on the device machine, after the README's DSL unpack:
 #   bash tests/gpu/run_h200.sh
 # Environment:
-#   STAGES        subset of "tests sanitize overhead kernels ncu bench lbench" (default: the
-#                 first four)
+#   STAGES        subset of "tests sanitize overhead kernels ncu bench sbench ebench lbench"
+#                 (default: the first four)
 #   CAND_DIR      a tree with candidate sources: its window-family tests run beside ours and
 #                 the kernels stage times both
 #   KERNEL_SHAPES bench/time_kernels.py --only filters (comma separated)
@@ -106,6 +106,14 @@ if wants bench; then
   run bench "${T_BENCH:-400}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
     --out "$OUT/bench" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
     ${BENCH_SKIP:+--skip "$BENCH_SKIP"}
+fi
+if wants sbench; then  # csa::compressor_extend_store: the kernel, the torch route, compiled
+  run sbench "${T_SBENCH:-300}" "$ROOT" python3 bench/bench_store.py --out "$OUT/bench-store" \
+    ${SBENCH_SHAPES:+--shapes "$SBENCH_SHAPES"} ${SBENCH_NO_COMPILE:+--no-compile}
+fi
+if wants ebench; then  # csa::compressor_epilogue against the op and a compiled epilogue
+  run ebench "${T_EBENCH:-240}" "$ROOT" python3 bench/bench_epilogue.py --out "$OUT/bench-epilogue" \
+    ${EBENCH_SHAPES:+--shapes "$EBENCH_SHAPES"}
 fi
 if wants lbench; then  # the lowering modes' rows: extern, generate, auto +RMSNorm
   run lbench "${T_LBENCH:-330}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
