@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.epilogue.plan import row_bytes  # noqa: F401  (the formats' row layout)
 from .reference import accumulate_dtype, segment_of
 
 FORMATS = ("none", "fp8_ds_mla", "fp8_block128", "mxfp4")
@@ -416,13 +417,6 @@ def ds_mla_page_bytes(page_size: int) -> int:
     each), rounded up to a multiple of 576."""
     used = page_size * (DS_MLA_ROW_BYTES + DS_MLA_SCALE_BYTES)
     return -(-used // DS_MLA_ROW_BYTES) * DS_MLA_ROW_BYTES
-
-
-def row_bytes(cache_format: str, head_dim: int) -> int:
-    """Bytes per cache row of the per-row formats (fp8_block128, mxfp4)."""
-    if cache_format == "fp8_block128":
-        return head_dim + 4 * (head_dim // BLOCK128)
-    return head_dim // 2 + head_dim // MX_BLOCK
 
 
 def ds_mla_views(cache: torch.Tensor, page_size: int):

@@ -30,6 +30,9 @@ _DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}
 _STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots", "cuc",
                  "block_table", "cache")
 _ROWS_INPUTS = ("rows", "norm_weight", "cos", "sin", "cuc", "position_offset")
+# fp8_ds_mla page bytes the store kernel takes: its row stores are 4 and 8 bytes wide (the
+# layout's own page size, a multiple of 576 bytes, always is).
+_DS_MLA_PAGE_ALIGN = 16
 # Call metadata -> the prepared launch (cleared with every other prepared call).
 _PREPARED = dispatch.PreparedCalls()
 
@@ -98,6 +101,8 @@ def launch_store(rows, cu_seqlens_comp, num_tokens: int, cu_seqlens, start_pos, 
     extend kernel's output); False where it does not take the call (nothing launched)."""
     if not (STATE.store_kernel and rows.is_cuda and rows.shape[0] and cache.is_contiguous()):
         return False
+    if cache_format == "fp8_ds_mla" and cache.shape[1] % _DS_MLA_PAGE_ALIGN:
+        return False  # pages the kernel's 4- and 8-byte stores cannot address aligned
     tensors = (rows, norm_weight, cos, sin, cu_seqlens, start_pos, slots, cu_seqlens_comp,
                block_table, cache)
     signature = dispatch.signature(tensors, Direction.STORE, float(eps), rope_dim, rotate,
@@ -128,7 +133,7 @@ def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight,
         return None
     offsets = position_offset is not None
     offset = position_offset if offsets else cu_seqlens_comp  # never read without offsets
-    if cos is None:  # rope_dim 0: the tables are never read
+    if rope_dim == 0:  # the tables are never read (and may be None)
         cos = sin = rows.new_empty(0, 0, dtype=torch.float32)
     tensors = (rows, norm_weight, cos, sin, cu_seqlens_comp, offset)
     signature = dispatch.signature(tensors, Direction.EPILOGUE, float(eps), rope_dim, rotate,

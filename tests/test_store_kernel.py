@@ -104,6 +104,12 @@ def test_key_shapes_and_checks():
                                             1e-6, "sm_90a"))
     assert not plan.supports(plan.configure("bfloat16", "float32", 128, 3, False, "none",
                                             1e-6, "sm_90a"))
+    # mxfp4 rows of 32 columns are 17 bytes: every other row would misalign the 2-byte
+    # code stores, so those calls keep the torch route.
+    assert not plan.supports(plan.configure("bfloat16", "float32", 32, 0, False, "mxfp4",
+                                            1e-6, "sm_90a"))
+    assert plan.supports(plan.configure("bfloat16", "float32", 64, 0, False, "mxfp4", 1e-6,
+                                        "sm_90a"))
     for bad in ({"dtype": "float64"}, {"cache_format": "fp8"}, {"eps": float("nan")},
                 {"arch": "sm_80"}, {"weight_dtype": "int32"}):
         fields = dict(dtype="bfloat16", weight_dtype="float32", head_dim=128, rope_dim=0,

@@ -148,10 +148,17 @@ def test_adversarial_call_stores_the_torch_routes_bytes(case):
     assert not torch.equal(kernel_args[14].cpu(), call.cache), "nothing was written"
 
 
-def test_unsupported_calls_take_the_torch_route():
-    """A non-power-of-two head_dim is not the kernel's: launch declines, nothing written."""
-    case = Case("none", torch.bfloat16, 96, 0, False)
+@pytest.mark.parametrize("case", [Case("none", torch.bfloat16, 96, 0, False),
+                                  Case("mxfp4", torch.bfloat16, 32, 0, False),
+                                  Case("fp8_ds_mla", torch.bfloat16, 512, 64, False)],
+                         ids=["d96", "mxfp4-d32", "fp8_ds_mla-page_bytes"])
+def test_unsupported_calls_take_the_torch_route(case):
+    """What the kernel does not take (a non-power-of-two head_dim, 17-byte mxfp4 rows,
+    fp8_ds_mla pages whose size misaligns its stores): launch declines and writes nothing
+    (the op then takes the torch route)."""
     call = Call(case)
+    if case.cache_format == "fp8_ds_mla":  # 4 bytes past the layout's page size
+        call.cache = torch.cat((call.cache, call.cache[:, :4]), dim=1).contiguous()
     args = call.args(case, DEVICE)
     before = args[14].clone()
     assert not row_epilogue.launch_store(*args)
@@ -209,6 +216,7 @@ def test_op_runs_the_kernel_and_the_torch_route_alike():
 # The training forward's kernel (off by default until this file has run on the H200):
 # dtype, weight dtype, head_dim, rope_dim, rotate, position offsets, ratio, coff.
 TRAINING = [
+    (torch.bfloat16, torch.float32, 32, 16, True, True, 4, 2),
     (torch.bfloat16, torch.float32, 512, 64, False, False, 4, 2),
     (torch.bfloat16, torch.bfloat16, 512, 64, False, True, 128, 1),
     (torch.float16, torch.float32, 128, 64, True, True, 4, 2),
@@ -263,3 +271,23 @@ def test_training_kernel_gives_the_torch_routes_rows(config):
         composed = epilogue.compressor_epilogue(kv, score, ape, cu, cuc, **kwargs)
     assert_bitwise_equal(fused, composed, "op rows")
     assert bool((fused[int(cuc[-1]):] == 0).all())
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_training_kernel_rows_of_no_segment_and_zero_eps(eps):
+    """cu_seqlens_comp of no segment whose last offset still counts rows: the reference's
+    rows (the epilogue of the given rows at position 0), and eps 0 on zero rows (NaN)."""
+    d = 128
+    gen = torch.Generator().manual_seed(9)
+    pooled = torch.randn(5, d, generator=gen).to(DEVICE, torch.bfloat16)
+    pooled[1] = 0.0
+    weight = torch.randn(d, generator=gen).to(DEVICE)  # negative entries: signed zeros
+    angles = torch.rand(8, 32, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = torch.cos(angles).float().to(DEVICE), torch.sin(angles).float().to(DEVICE)
+    params = reference_epilogue.EpilogueParams(weight, eps, cos, sin, 64, True)
+    for cuc in ([3], [0, 2, 4]):
+        cuc = torch.tensor(cuc, dtype=torch.int32, device=DEVICE)
+        with row_epilogue.kernel_route():
+            got = row_epilogue.launch_rows(pooled, cuc, None, 4, weight, eps, cos, sin, 64, True)
+        want = reference_epilogue.training_rows(pooled, cuc, None, 4, params)
+        assert_bitwise_equal(got, want, f"rows, cu_seqlens_comp {cuc.tolist()}")

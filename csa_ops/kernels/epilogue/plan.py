@@ -94,6 +94,18 @@ def supports(key: EpilogueKey) -> bool:
     if key.cache_format == "fp8_ds_mla":
         return d == DS_MLA_HEAD_DIM and key.rope_dim == DS_MLA_ROPE_DIM
     block = BLOCK_COLUMNS.get(key.cache_format)
-    # A block is whole lanes of one warp in the contiguous layout.
-    return block is None or (d % block == 0 and block % key.vec == 0
-                             and block // key.vec <= 32)
+    if block is None:
+        return True
+    # A block is whole lanes of one warp in the contiguous layout, and every row starts
+    # where the thread's widest store (its codes) is aligned.
+    code_bytes = key.vec // 2 if key.cache_format == "mxfp4" else key.vec
+    return (d % block == 0 and block % key.vec == 0 and block // key.vec <= 32
+            and row_bytes(key.cache_format, d) % code_bytes == 0)
+
+
+def row_bytes(cache_format: str, head_dim: int) -> int:
+    """Bytes of one cache row of fp8_block128 (codes, then fp32 scales per 128) or mxfp4
+    (packed pairs, then a UE8M0 scale per 32)."""
+    if cache_format == "fp8_block128":
+        return head_dim + 4 * (head_dim // 128)
+    return head_dim // 2 + head_dim // 32

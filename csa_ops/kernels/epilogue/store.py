@@ -16,7 +16,7 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
 
 from ..shared import common as cm
 from ..shared import formats as fm
-from .plan import BLOCK_COLUMNS, EpilogueKey
+from .plan import BLOCK_COLUMNS, EpilogueKey, row_bytes
 from .rows import RowEpilogue, doublings
 
 INT32_MAX = 2**31 - 1
@@ -36,6 +36,8 @@ class RowEpilogueStore(RowEpilogue):
         self.format = key.cache_format
         self.block = BLOCK_COLUMNS.get(key.cache_format, 0)  # columns per scale
         self.block_lanes = doublings(max(self.block // self.V, 1))  # its shuffle offsets
+        if self.block:
+            self.row_bytes = row_bytes(key.cache_format, key.head_dim)
 
     @cute.jit
     def block_amax(self, rZ: cute.Tensor):
@@ -218,9 +220,9 @@ class RowEpilogueStore(RowEpilogue):
                                page_base + Int64(page_size) * DS_MLA_ROW_BYTES
                                + slot * DS_MLA_SCALE_BYTES, tid)
         elif cutlass.const_expr(self.format == "fp8_block128"):
-            self.encode_block128(rZ, p_cache, cache_row * (self.D + 4 * (self.D // 128)), tid)
+            self.encode_block128(rZ, p_cache, cache_row * self.row_bytes, tid)
         else:
-            self.encode_mxfp4(rZ, p_cache, cache_row * (self.D // 2 + self.D // 32), tid)
+            self.encode_mxfp4(rZ, p_cache, cache_row * self.row_bytes, tid)
 
     @cute.jit
     def __call__(self, p_rows: cute.Pointer, p_weight: cute.Pointer, p_cos: cute.Pointer,

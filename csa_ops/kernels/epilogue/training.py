@@ -27,15 +27,15 @@ class RowEpilogueRows(RowEpilogue):
 
     @cute.jit
     def position(self, p_cuc, p_offset, n: Int32, num_segs: Int32, ratio: Int32):
-        """(valid, position) of output row n; the segment search clamps as the reference's
-        lookup does, so every load is in bounds for any offsets' contents."""
+        """(valid, position) of output row n: valid below cu_seqlens_comp[-1] (with no
+        segment too, at position 0, as the reference's); the segment search clamps as the
+        reference's lookup does, so every load is in bounds for any offsets' contents."""
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
-        valid = cutlass.Boolean(False)
+        valid = n < cuc[num_segs]
         position = Int64(0)
-        if num_segs > 0 and n < cuc[num_segs]:  # noqa: PLR1716
+        if valid and num_segs > 0:
             s = cm.count_le(cuc, num_segs + 1, n) - 1
             s = cutlass.min(cutlass.max(s, Int32(0)), num_segs - 1)
-            valid = cutlass.Boolean(True)
             position = (Int64(n) - Int64(cuc[s])) * Int64(ratio)
             if cutlass.const_expr(self.offsets):
                 position = position + Int64(cute.make_tensor(p_offset, num_segs)[s])
