@@ -193,22 +193,32 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
     return built
 
 
+def epilogue_key(dtype: torch.dtype, weight_dtype: torch.dtype, head_dim: int, rope_dim: int,
+                 rotate: bool, cache_format: str, eps: float, arch: str | None,
+                 position_offset: bool = False):
+    """The row-epilogue kernels' key of one epilogue, or None where none takes it (the
+    epilogue then runs as torch ops)."""
+    from .kernels.epilogue import plan
+
+    if dtype not in _TORCH_DTYPES or weight_dtype not in _TORCH_DTYPES or arch is None:
+        return None
+    key = plan.configure(_TORCH_DTYPES[dtype], _TORCH_DTYPES[weight_dtype], head_dim,
+                         rope_dim, rotate, cache_format, eps, arch, position_offset)
+    return key if plan.supports(key) else None
+
+
 def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate: bool = False,
                      eps: float = 1e-6, dtype: torch.dtype | None = None,
                      weight_dtype: torch.dtype | None = None, arch: str | None = None):
     """Compile (or load) csa::compressor_extend_store's row-epilogue kernel of one epilogue;
     weight_dtype None means float32; the rest as in precompile. Returns its key, or None
     where that epilogue runs as torch ops."""
-    from .kernels.epilogue import plan
-
     dtype, arch = _target("precompile_store", dtype, arch)
     weight_dtype = torch.float32 if weight_dtype is None else weight_dtype
     _check_target("precompile_store", weight_dtype, arch)
-    key = plan.configure(_TORCH_DTYPES[dtype], _TORCH_DTYPES[weight_dtype], head_dim,
-                         rope_dim, rotate, cache_format, eps, arch)
-    if not plan.supports(key):
-        return None
-    KERNELS.get(Direction.STORE, key)
+    key = epilogue_key(dtype, weight_dtype, head_dim, rope_dim, rotate, cache_format, eps, arch)
+    if key is not None:
+        KERNELS.get(Direction.STORE, key)
     return key
 
 

@@ -14,21 +14,26 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.epilogue.plan import row_bytes  # noqa: F401  (the formats' row layout)
+from .cache_formats import (  # noqa: F401  (FORMATS, row_bytes: this module's API too)
+    BLOCK_COLUMNS,
+    DS_MLA_FP8_DIM,
+    DS_MLA_HEAD_DIM,
+    DS_MLA_ROPE_DIM,
+    DS_MLA_ROW_BYTES,
+    DS_MLA_SCALE_BYTES,
+    E4M3_NAN,
+    FORMATS,
+    FP4_MAX,
+    FP8_MAX,
+    SCALE_FLOOR,
+    SCALE_TOP,
+    UE8M0_NAN,
+    row_bytes,
+)
 from .reference import accumulate_dtype, segment_of
 
-FORMATS = ("none", "fp8_ds_mla", "fp8_block128", "mxfp4")
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-DS_MLA_HEAD_DIM, DS_MLA_ROPE_DIM = 512, 64
-DS_MLA_FP8_DIM = DS_MLA_HEAD_DIM - DS_MLA_ROPE_DIM  # 448 columns in 7 blocks of 64
-DS_MLA_BLOCK = 64
-DS_MLA_ROW_BYTES = DS_MLA_FP8_DIM + 2 * DS_MLA_ROPE_DIM  # 576
-DS_MLA_SCALE_BYTES = 8  # 7 UE8M0 bytes and one zero byte per row
-DS_MLA_SCALE_FLOOR = 1e-4
-BLOCK128, MX_BLOCK = 128, 32
-MX_AMAX_FLOOR = FP4_MAX * 2.0**-126
-E4M3_NAN, UE8M0_NAN = 0x7F, 0xFF
+DS_MLA_BLOCK = BLOCK_COLUMNS["fp8_ds_mla"]
+BLOCK128, MX_BLOCK = BLOCK_COLUMNS["fp8_block128"], BLOCK_COLUMNS["mxfp4"]
 # e2m1 magnitudes by code 0..7; bit 3 of a code is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -350,7 +355,8 @@ def encode_fp8_ds_mla(rows: torch.Tensor):
     """(N, 512) rows -> ((N, 576) row bytes, (N, 8) scale bytes): columns [0, 448) as e4m3
     in 7 blocks of 64 with UE8M0 scales (floor 1e-4), then the 64 RoPE columns as bf16."""
     x = rows[:, :DS_MLA_FP8_DIM].to(torch.float32)
-    scaled, scale, finite = _pow2_blocks(x, DS_MLA_BLOCK, DS_MLA_SCALE_FLOOR, FP8_MAX)
+    scaled, scale, finite = _pow2_blocks(x, DS_MLA_BLOCK, SCALE_FLOOR["fp8_ds_mla"],
+                                         SCALE_TOP["fp8_ds_mla"])
     codes = torch.where(finite[..., None], encode_e4m3(scaled), E4M3_NAN)
     rope_bytes = bitcast(rows[:, DS_MLA_FP8_DIM:].to(torch.bfloat16), torch.uint8)
     data = torch.cat((codes.reshape(rows.shape[0], DS_MLA_FP8_DIM), rope_bytes), dim=1)
@@ -395,7 +401,7 @@ def encode_mxfp4(rows: torch.Tensor) -> torch.Tensor:
     x / scale, then one UE8M0 scale 2**ceil(log2(max(amax, 6*2**-126) / 6)) per 32 values.
     A block holding a NaN or an Inf stores zero codes and the NaN scale."""
     x = rows.to(torch.float32)
-    scaled, scale, finite = _pow2_blocks(x, MX_BLOCK, MX_AMAX_FLOOR, FP4_MAX)
+    scaled, scale, finite = _pow2_blocks(x, MX_BLOCK, SCALE_FLOOR["mxfp4"], SCALE_TOP["mxfp4"])
     codes = torch.where(finite[..., None], encode_e2m1(torch.where(finite[..., None], scaled,
                                                                    0.0)), 0)
     codes = codes.reshape(x.shape)

@@ -21,12 +21,10 @@ import contextlib
 import torch
 
 from . import dispatch
-from .config import DTYPES, Direction
-from .kernels.epilogue import plan
+from .config import Direction
 from .launch_description import CallSpec, Launch, current_stream_handle, python_call
 from .state import STATE
 
-_DTYPE_NAMES = {getattr(torch, name): name for name in DTYPES}
 _STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots", "cuc",
                  "block_table", "cache")
 _ROWS_INPUTS = ("rows", "norm_weight", "cos", "sin", "cuc", "position_offset")
@@ -59,15 +57,9 @@ def kernel_route():
 
 
 def _key(rows, norm_weight, eps: float, rope_dim: int, rotate: bool, cache_format: str,
-         host, position_offset: bool = False) -> plan.EpilogueKey | None:
-    dtype = _DTYPE_NAMES.get(rows.dtype)
-    weight_dtype = _DTYPE_NAMES.get(norm_weight.dtype)
-    arch = host.device_arch(rows.device)
-    if dtype is None or weight_dtype is None or arch is None:
-        return None
-    key = plan.configure(dtype, weight_dtype, rows.shape[1], rope_dim, rotate, cache_format,
-                         eps, arch, position_offset)
-    return key if plan.supports(key) else None
+         host, position_offset: bool = False):
+    return host.epilogue_key(rows.dtype, norm_weight.dtype, rows.shape[1], rope_dim, rotate,
+                             cache_format, eps, host.device_arch(rows.device), position_offset)
 
 
 def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of, constants_of,

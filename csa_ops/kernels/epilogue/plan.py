@@ -13,15 +13,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ...cache_formats import BLOCK_COLUMNS, DS_MLA_HEAD_DIM, DS_MLA_ROPE_DIM, FORMATS, row_bytes
 from ...config import ARCHS, DTYPES, TYPES
 
-FORMATS = ("none", "fp8_ds_mla", "fp8_block128", "mxfp4")
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_THREADS = 128  # per CTA (one row); wider rows give each thread more columns
 MIN_VEC = 4  # columns per thread at least: a 4-byte store of e4m3 codes, 2 bytes of e2m1
-# Columns of a scale block, by format (fp8_ds_mla: its 448 quantized columns).
-BLOCK_COLUMNS = {"fp8_ds_mla": 64, "fp8_block128": 128, "mxfp4": 32}
-DS_MLA_HEAD_DIM, DS_MLA_ROPE_DIM = 512, 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +98,3 @@ def supports(key: EpilogueKey) -> bool:
     code_bytes = key.vec // 2 if key.cache_format == "mxfp4" else key.vec
     return (d % block == 0 and block % key.vec == 0 and block // key.vec <= 32
             and row_bytes(key.cache_format, d) % code_bytes == 0)
-
-
-def row_bytes(cache_format: str, head_dim: int) -> int:
-    """Bytes of one cache row of fp8_block128 (codes, then fp32 scales per 128) or mxfp4
-    (packed pairs, then a UE8M0 scale per 32)."""
-    if cache_format == "fp8_block128":
-        return head_dim + 4 * (head_dim // 128)
-    return head_dim // 2 + head_dim // 32

@@ -14,17 +14,23 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
 
+from ...cache_formats import (
+    BLOCK_COLUMNS,
+    DS_MLA_FP8_DIM,
+    DS_MLA_ROW_BYTES,
+    DS_MLA_SCALE_BYTES,
+    E4M3_NAN,
+    FP8_MAX,
+    SCALE_FLOOR,
+    SCALE_TOP,
+    UE8M0_NAN,
+    row_bytes,
+)
 from ..shared import common as cm
 from ..shared import formats as fm
-from .plan import BLOCK_COLUMNS, EpilogueKey, row_bytes
+from ..shared import requests
+from .plan import EpilogueKey
 from .rows import RowEpilogue, doublings
-
-INT32_MAX = 2**31 - 1
-DS_MLA_FP8_COLUMNS = 448
-DS_MLA_ROW_BYTES, DS_MLA_SCALE_BYTES = 576, 8
-# The smallest amax a pow2 scale is taken of, by format (values below it share its scale).
-SCALE_FLOOR = {"fp8_ds_mla": 1e-4, "mxfp4": fm.FP4_MAX * 2.0**-126}
-SCALE_TOP = {"fp8_ds_mla": fm.FP8_MAX, "mxfp4": fm.FP4_MAX}
 
 
 class RowEpilogueStore(RowEpilogue):
@@ -77,28 +83,28 @@ class RowEpilogueStore(RowEpilogue):
         columns [448, 512): bf16 bytes. Data row at row_offset, scale bytes at scale_offset."""
         amax, finite = self.block_amax(rZ)
         column = tid * self.V
-        if column < DS_MLA_FP8_COLUMNS:
+        if column < DS_MLA_FP8_DIM:
             factor, e = self.pow2_scale(amax, finite)
             rB = cute.make_rmem_tensor((self.V,), Uint8)
             for k in cutlass.range_constexpr(self.V):
-                rB[k] = Uint8(fm.E4M3_NAN)
+                rB[k] = Uint8(E4M3_NAN)
                 if finite:
                     rB[k] = fm.e4m3(cm.mul_rn(rZ[k], factor))
             self.store_bytes(rB, p_cache, row_offset + column, self.V)
             if column % self.block == 0:
-                scale = Uint8(fm.UE8M0_NAN)
+                scale = Uint8(UE8M0_NAN)
                 if finite:
                     scale = Uint8(e + 127)
                 fm.store_byte(p_cache, scale_offset + column // self.block, scale)
         else:
-            if column == DS_MLA_FP8_COLUMNS:
+            if column == DS_MLA_FP8_DIM:
                 fm.store_byte(p_cache, scale_offset + DS_MLA_SCALE_BYTES - 1, Uint8(0))
             rB = cute.make_rmem_tensor((2 * self.V,), Uint8)
             for k in cutlass.range_constexpr(self.V):
                 bits = Uint32(cutlass.BFloat16(rZ[k]).bitcast(cutlass.Uint16))
                 rB[2 * k] = Uint8(bits)
                 rB[2 * k + 1] = Uint8(bits >> 8)
-            rope_offset = DS_MLA_FP8_COLUMNS + 2 * (column - DS_MLA_FP8_COLUMNS)
+            rope_offset = DS_MLA_FP8_DIM + 2 * (column - DS_MLA_FP8_DIM)
             self.store_bytes(rB, p_cache, row_offset + rope_offset, 2 * self.V)
 
     @cute.jit
@@ -106,7 +112,7 @@ class RowEpilogueStore(RowEpilogue):
         """e4m3 codes of x / scale, scale = amax / 448 in fp32 after the codes: zero codes
         and scale where it is 0, NaN codes and scale off finite blocks."""
         amax, finite = self.block_amax(rZ)
-        scale = cm.div_rn(amax, Float32(fm.FP8_MAX))
+        scale = cm.div_rn(amax, Float32(FP8_MAX))
         usable = finite and scale > Float32(0.0)
         column = tid * self.V
         rB = cute.make_rmem_tensor((self.V,), Uint8)
@@ -115,7 +121,7 @@ class RowEpilogueStore(RowEpilogue):
             if usable:
                 rB[k] = fm.e4m3(cm.div_rn(rZ[k], scale))
             elif not finite:
-                rB[k] = Uint8(fm.E4M3_NAN)
+                rB[k] = Uint8(E4M3_NAN)
         self.store_bytes(rB, p_cache, row_offset + column, self.V)
         if column % self.block == 0:
             stored = cutlass.select_(finite, scale.bitcast(Uint32), Uint32(0x7FC00000))
@@ -140,7 +146,7 @@ class RowEpilogueStore(RowEpilogue):
             rB[k] = Uint8(packed)
         self.store_bytes(rB, p_cache, row_offset + column // 2, self.V // 2)
         if column % self.block == 0:
-            scale = Uint8(fm.UE8M0_NAN)
+            scale = Uint8(UE8M0_NAN)
             if finite:
                 scale = Uint8(e + 127)
             fm.store_byte(p_cache, row_offset + self.D // 2 + column // self.block, scale)
@@ -162,13 +168,10 @@ class RowEpilogueStore(RowEpilogue):
         if n < cuc[num_requests]:
             i = cm.count_le(cuc, num_requests + 1, n) - 1
             if i >= 0 and i < num_requests:  # noqa: PLR1716
-                cu = cute.make_tensor(p_cu, num_requests + 1)
-                first, last = cu[i], cu[i + 1]
-                start = cute.make_tensor(p_start, num_requests)[i]
-                slot = cute.make_tensor(p_slots, num_requests)[i]
-                valid = (slot >= 0 and slot < num_slots and start >= 0 and first >= 0
-                         and first <= last and last <= num_tokens
-                         and Int64(start) + Int64(last) - Int64(first) <= Int64(INT32_MAX))
+                valid, _, start, _, _ = requests.request_of(
+                    cute.make_tensor(p_cu, num_requests + 1),
+                    cute.make_tensor(p_start, num_requests),
+                    cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
                 if valid:
                     q = Int64(start // ratio) + Int64(n) - Int64(cuc[i])
                     column = q // Int64(page_size)

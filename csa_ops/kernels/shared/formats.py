@@ -8,10 +8,9 @@ from __future__ import annotations
 import cutlass
 from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
 
+from ...cache_formats import FP4_MAX, FP8_MAX
 from . import common as cm
 
-FP8_MAX, FP4_MAX = 448.0, 6.0
-E4M3_NAN, UE8M0_NAN = 0x7F, 0xFF
 _MAGNITUDE, _INF_BITS = 0x7FFFFFFF, 0x7F800000
 _ROUND_INTEGER = 2.0**23  # y + 2**23 - 2**23 rounds 0 <= y < 2**22 to an integer, half even
 

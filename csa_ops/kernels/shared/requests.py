@@ -49,6 +49,20 @@ def head_rows(rows, coff: int):
     return cutlass.min(rows, Int32(coff))
 
 
+@cute.jit
+def request_of(cu, starts, slots, b, num_tokens, num_slots):
+    """(ok, first token, start, length, slot) of request b: ok as the module docstring says
+    (the reference's valid_requests)."""
+    tok0 = cu[b]
+    tok1 = cu[b + 1]
+    start = starts[b]
+    slot = slots[b]
+    length = tok1 - tok0  # int32 arithmetic, like the reference's difference
+    ok = (slot >= 0) & (slot < num_slots) & (start >= 0) & (tok0 >= 0) & (tok0 <= tok1)
+    ok = ok & (tok1 <= num_tokens) & (Int64(start) + Int64(length) <= Int64(INT32_MAX))
+    return ok, tok0, start, length, slot
+
+
 class Batch:
     """The requests of one extend call, seen from a CTA of `threads` threads (whole warps)."""
 
@@ -66,13 +80,8 @@ class Batch:
     @cute.jit
     def request(self, cu, starts, slots, b, num_tokens, num_slots):
         """(ok, first token, start, length, slot, rows) of request b."""
-        tok0 = cu[b]
-        tok1 = cu[b + 1]
-        start = starts[b]
-        slot = slots[b]
-        length = tok1 - tok0  # int32 arithmetic, like the reference's difference
-        ok = (slot >= 0) & (slot < num_slots) & (start >= 0) & (tok0 >= 0) & (tok0 <= tok1)
-        ok = ok & (tok1 <= num_tokens) & (Int64(start) + Int64(length) <= Int64(INT32_MAX))
+        ok, tok0, start, length, slot = request_of(cu, starts, slots, b, num_tokens,
+                                                   num_slots)
         return ok, tok0, start, length, slot, self.count(start, length)
 
     def run_of(self, num_reqs, tid):
