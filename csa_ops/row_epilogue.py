@@ -5,8 +5,8 @@ kernels.
 - ``launch_store``: csa::compressor_extend_store's epilogue, encoding and paged store after
   the extend kernel (on by default; tested bitwise on the H200).
 - ``launch_rows``: csa::compressor_epilogue's forward epilogue after csa::compressor's
-  kernel, rows packed. Off by default (``STATE.training_epilogue_kernel``) until its H200
-  run: ``kernel_route()`` turns it on (its GPU tests do).
+  kernel, rows packed. Off by default (``STATE.training_epilogue_kernel``): it is not yet
+  validated on a GPU; ``kernel_route()`` turns it on (its GPU tests do).
 
 The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
 operation, so the results are the torch route's bytes; calls a kernel does not take (fp64

@@ -51,7 +51,7 @@ class ProcessState:
         self.multi_gpu: bool | None = None
         self.python_launch_path = False  # calls prepared now take the Python path
         # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (the training
-        # forward's is off until its H200 validation)
+        # forward's is off: not yet validated on a GPU)
         self.store_kernel = True
         self.training_epilogue_kernel = False
         self.forward_numerics = ForwardNumerics.CERTIFIED

@@ -119,9 +119,9 @@ def test_key_shapes_and_checks():
 
 
 def test_routes_and_defaults():
-    """The store kernel is on by default, the training forward's off until its H200 run;
-    torch_route() turns both off and kernel_route() both on, each restoring the state
-    before; on the CPU neither kernel takes a call."""
+    """The store kernel is on by default, the training forward's off (not yet validated on
+    a GPU); torch_route() turns both off and kernel_route() both on, each restoring the
+    state before; on the CPU neither kernel takes a call."""
     from csa_ops import row_epilogue
     from csa_ops.state import STATE
 
