@@ -23,9 +23,11 @@ class Direction(str, enum.Enum):
     EXTEND = "ext"
     # The row epilogue (kernels/epilogue/, an EpilogueKey): csa::compressor_extend_store's
     # (the extend kernel's rows normalized, turned, encoded and stored into a paged cache)
-    # and csa::compressor_epilogue's forward (csa::compressor's rows, packed).
+    # and csa::compressor_epilogue's forward (csa::compressor's rows, packed) and backward
+    # (the pooled rows' gradient and grad_weight's partial sums).
     STORE = "store"
     EPILOGUE = "epi"
+    EPILOGUE_BACKWARD = "epib"
 
     @classmethod
     def of(cls, backward: bool) -> Direction:

@@ -198,7 +198,20 @@ def _compressor_epilogue_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqle
                         position_offset, rows, rows_name="`grad_out` row count")
     return reference_epilogue.compressor_epilogue_backward_reference(
         grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
-        _params(norm_weight, eps, cos, sin, rope_dim, rotate), position_offset)
+        _params(norm_weight, eps, cos, sin, rope_dim, rotate), position_offset,
+        _rows_backward)
+
+
+def _rows_backward(grad_out, pooled, cu_seqlens_comp, position_offset, ratio: int,
+                   params: EpilogueParams):
+    """The backward's way through the epilogue: the kernel where it takes the call."""
+    grads = row_epilogue.launch_rows_backward(
+        grad_out, pooled, cu_seqlens_comp, position_offset, ratio, params.norm_weight,
+        params.eps, params.cos, params.sin, params.rope_dim, params.rotate)
+    if grads is not None:
+        return grads
+    return reference_epilogue.training_rows_backward(grad_out, pooled, cu_seqlens_comp,
+                                                     position_offset, ratio, params)
 
 
 # What the forward keeps for the backward: its inputs, never rows.

@@ -244,19 +244,27 @@ def training_rows(pooled, cu_seqlens_comp, position_offset, ratio: int,
     return epilogue_rows(pooled, positions, valid, params)
 
 
+def training_rows_backward(grad_out, pooled, cu_seqlens_comp, position_offset, ratio: int,
+                           params: EpilogueParams):
+    """``epilogue_rows_backward`` of csa::compressor's rows at their training positions."""
+    positions, valid = training_positions(cu_seqlens_comp, position_offset, pooled.shape[0],
+                                          ratio)
+    return epilogue_rows_backward(grad_out, pooled, positions, valid, params)
+
+
 def compressor_epilogue_backward_reference(grad_out, kv, score, ape, cu_seqlens,
                                            cu_seqlens_comp, ratio: int, coff: int,
-                                           params: EpilogueParams, position_offset=None):
+                                           params: EpilogueParams, position_offset=None,
+                                           rows_backward=training_rows_backward):
     """(grad_kv, grad_score, grad_ape, grad_weight) of ``compressor_epilogue_reference``: the
     pooled rows recomputed at grad_out's row count (the forward keeps inputs, not rows; no
-    sync), ``epilogue_rows_backward``, then csa::compressor_backward (its CUDA kernel on
-    CUDA)."""
+    sync), ``rows_backward`` (``training_rows_backward``'s arguments and results; the op
+    passes its kernel route), then csa::compressor_backward (its CUDA kernel on CUDA)."""
     rows = grad_out.shape[0]
     pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
                                               ratio, coff, rows)
-    positions, valid = training_positions(cu_seqlens_comp, position_offset, rows, ratio)
-    grad_pooled, grad_weight = epilogue_rows_backward(grad_out.contiguous(), pooled, positions,
-                                                      valid, params)
+    grad_pooled, grad_weight = rows_backward(grad_out.contiguous(), pooled, cu_seqlens_comp,
+                                             position_offset, ratio, params)
     grad_kv, grad_score, grad_ape = torch.ops.csa.compressor_backward.default(
         grad_pooled, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff)
     return grad_kv, grad_score, grad_ape, grad_weight

@@ -7,6 +7,9 @@ kernels.
 - ``launch_rows``: csa::compressor_epilogue's forward epilogue after csa::compressor's
   kernel, rows packed. Off by default (``STATE.training_epilogue_kernel``): it is not yet
   validated on a GPU; ``kernel_route()`` turns it on (its GPU tests do).
+- ``launch_rows_backward``: csa::compressor_epilogue_backward's way back through the
+  epilogue, from grad_out and the recomputed pooled rows to their gradient and grad_weight
+  (``STATE.training_epilogue_backward_kernel``, off likewise).
 
 The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
 operation, so the results are the torch route's bytes; calls a kernel does not take (fp64
@@ -28,6 +31,12 @@ from .state import STATE
 _STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots", "cuc",
                  "block_table", "cache")
 _ROWS_INPUTS = ("rows", "norm_weight", "cos", "sin", "cuc", "position_offset")
+_ROWS_BACKWARD_INPUTS = ("grad_out", "rows", "norm_weight", "cos", "sin", "cuc",
+                         "position_offset", "partials")
+# The backward's CTAs (each one fp32 partial row of grad_weight) at most: a CTA takes
+# ceil(rows / MAX_PARTIALS) rows, so grad_weight's summation order depends on the row count
+# alone, not on the device.
+MAX_PARTIALS = 1024
 # fp8_ds_mla page bytes the store kernel takes: its row stores are 4 and 8 bytes wide (the
 # layout's own page size, a multiple of 576 bytes, always is).
 _DS_MLA_PAGE_ALIGN = 16
@@ -35,25 +44,30 @@ _DS_MLA_PAGE_ALIGN = 16
 _PREPARED = dispatch.PreparedCalls()
 
 
+_ROUTE_FLAGS = ("store_kernel", "training_epilogue_kernel", "training_epilogue_backward_kernel")
+
+
 @contextlib.contextmanager
-def _route(store: bool, rows: bool):
-    previous = STATE.store_kernel, STATE.training_epilogue_kernel
-    STATE.store_kernel, STATE.training_epilogue_kernel = store, rows
+def _route(on: bool):
+    previous = [getattr(STATE, flag) for flag in _ROUTE_FLAGS]
+    for flag in _ROUTE_FLAGS:
+        setattr(STATE, flag, on)
     try:
         yield
     finally:
-        STATE.store_kernel, STATE.training_epilogue_kernel = previous
+        for flag, value in zip(_ROUTE_FLAGS, previous):
+            setattr(STATE, flag, value)
 
 
 def torch_route():
-    """Within: both epilogue ops run their epilogue as torch ops on CUDA too (the
-    composition the kernels are tested against, and the benchmarks' baseline)."""
-    return _route(False, False)
+    """Within: the epilogue ops run their epilogue as torch ops on CUDA too, both directions
+    (the composition the kernels are tested against, and the benchmarks' baseline)."""
+    return _route(False)
 
 
 def kernel_route():
-    """Within: both epilogue ops run their epilogue by the kernels where they take the call."""
-    return _route(True, True)
+    """Within: the epilogue ops run their epilogue by the kernels where they take the call."""
+    return _route(True)
 
 
 def _key(rows, norm_weight, eps: float, rope_dim: int, rotate: bool, cache_format: str,
@@ -124,9 +138,7 @@ def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight,
     if not (STATE.training_epilogue_kernel and rows.is_cuda and rows.shape[0]):
         return None
     offsets = position_offset is not None
-    offset = position_offset if offsets else cu_seqlens_comp  # never read without offsets
-    if rope_dim == 0:  # the tables are never read (and may be None)
-        cos = sin = rows.new_empty(0, 0, dtype=torch.float32)
+    offset, cos, sin = _readable(rows, cu_seqlens_comp, position_offset, rope_dim, cos, sin)
     tensors = (rows, norm_weight, cos, sin, cu_seqlens_comp, offset)
     signature = dispatch.signature(tensors, Direction.EPILOGUE, float(eps), rope_dim, rotate,
                                    offsets, ratio)
@@ -140,3 +152,45 @@ def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight,
         lambda host: _key(rows, norm_weight, eps, rope_dim, rotate, "none", host, offsets),
         constants, rows.device.index or 0)
     return call(*tensors)
+
+
+def launch_rows_backward(grad_out, rows, cu_seqlens_comp, position_offset, ratio: int,
+                         norm_weight, eps: float, cos, sin, rope_dim: int, rotate: bool):
+    """(grad_rows, grad_weight) of reference_epilogue.epilogue_rows_backward at the training
+    positions by the kernel, from ``grad_out`` and the recomputed pooled ``rows``; None
+    where the kernel does not take the call (nothing launched)."""
+    if not (STATE.training_epilogue_backward_kernel and rows.is_cuda and rows.shape[0]):
+        return None
+    offsets = position_offset is not None
+    offset, cos, sin = _readable(rows, cu_seqlens_comp, position_offset, rope_dim, cos, sin)
+    num_rows, head_dim = rows.shape
+    rows_per_cta = -(-num_rows // MAX_PARTIALS)
+    grid = -(-num_rows // rows_per_cta)
+    partials = torch.empty(grid, head_dim, dtype=torch.float32, device=rows.device)
+    tensors = (grad_out, rows, norm_weight, cos, sin, cu_seqlens_comp, offset, partials)
+    signature = dispatch.signature(tensors, Direction.EPILOGUE_BACKWARD, float(eps), rope_dim,
+                                   rotate, offsets, ratio)
+
+    def constants():
+        return {"num_rows": num_rows, "num_segs": cu_seqlens_comp.shape[0] - 1,
+                "table_rows": max(cos.shape[0], 1), "ratio": ratio,
+                "rows_per_cta": rows_per_cta, "grid": grid}
+
+    call = _prepared(
+        signature, Direction.EPILOGUE_BACKWARD, _ROWS_BACKWARD_INPUTS,
+        {"grad_rows": ("rows", None)}, ("partials",),
+        lambda host: _key(rows, norm_weight, eps, rope_dim, rotate, "none", host, offsets),
+        constants, rows.device.index or 0)
+    grad_rows = call(*tensors)
+    if grad_rows is None:
+        return None
+    return grad_rows, partials.sum(0).to(norm_weight.dtype)
+
+
+def _readable(rows, cu_seqlens_comp, position_offset, rope_dim: int, cos, sin):
+    """(position_offset, cos, sin) as the training kernels take them: the tensors a key
+    never reads (no offsets, no RoPE) replaced by live ones."""
+    offset = position_offset if position_offset is not None else cu_seqlens_comp
+    if rope_dim == 0:  # the tables are never read (and may be None)
+        cos = sin = rows.new_empty(0, 0, dtype=torch.float32)
+    return offset, cos, sin

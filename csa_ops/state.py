@@ -51,9 +51,10 @@ class ProcessState:
         self.multi_gpu: bool | None = None
         self.python_launch_path = False  # calls prepared now take the Python path
         # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (the training
-        # forward's is off: not yet validated on a GPU)
+        # forward's and backward's are off: not yet validated on a GPU)
         self.store_kernel = True
         self.training_epilogue_kernel = False
+        self.training_epilogue_backward_kernel = False
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native
         self.native_tag: str | None = None

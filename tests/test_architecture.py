@@ -139,7 +139,8 @@ def test_every_family_implements_the_contract():
         assert set(KERNELS[name]) == {Direction.FORWARD, Direction.BACKWARD, Direction.EXTEND}
     # The row epilogue: the store's kernel and the training forward's.
     assert set(KERNELS) - set(FAMILIES) == {"epilogue"}
-    assert set(KERNELS["epilogue"]) == {Direction.STORE, Direction.EPILOGUE}
+    assert set(KERNELS["epilogue"]) == {Direction.STORE, Direction.EPILOGUE,
+                                        Direction.EPILOGUE_BACKWARD}
 
 
 def test_the_state_resets_to_a_fresh_process():

@@ -68,16 +68,20 @@ TRAINING = (  # dtype, weight dtype, head_dim, rope_dim, rotate, position_offset
     ("float16", "bfloat16", 128, 64, True, True),
     ("float32", "float32", 64, 0, False, True),
     ("bfloat16", "bfloat16", 1024, 0, True, False),
+    ("bfloat16", "float32", 4096, 64, True, True),
 )
 
 
+@pytest.mark.parametrize("direction", [Direction.EPILOGUE, Direction.EPILOGUE_BACKWARD])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", TRAINING, ids=["-".join(map(str, c)) for c in TRAINING])
-def test_training_kernel_compiles_and_pins_its_rounding(config, arch):
+def test_training_kernels_compile_and_pin_their_rounding(config, arch, direction):
+    """Both directions: rounding-pinned fp32 (the backward's one root is the forward's
+    inverse RMS recomputed), registers and shared memory only, the PDL wait."""
     dtype, weight, d, rope, rotate, offsets = config
     key = plan.configure(dtype, weight, d, rope, rotate, "none", 1e-5, arch, offsets)
     assert plan.supports(key)
-    ptx = compile_cache.ptx(Direction.EPILOGUE, key)
+    ptx = compile_cache.ptx(direction, key)
     assert not re.search(r"\bfma\.", ptx) and not re.search(r"\b(mul|add|sub)\.f32\b", ptx)
     assert ".ftz" not in ptx and "approx" not in ptx and ptx.count("sqrt.rn.f32") == 1
     assert "ld.local" not in ptx and "st.local" not in ptx

@@ -74,7 +74,8 @@ KERNELS = {
                   Direction.EXTEND: "extend:StreamingExtend"},
     # Not a pooling family: the row epilogue after csa::compressor_extend (an EpilogueKey).
     "epilogue": {Direction.STORE: "store:RowEpilogueStore",
-                 Direction.EPILOGUE: "training:RowEpilogueRows"},
+                 Direction.EPILOGUE: "training:RowEpilogueRows",
+                 Direction.EPILOGUE_BACKWARD: "training:RowEpilogueRowsBackward"},
 }
 
 

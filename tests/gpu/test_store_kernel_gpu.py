@@ -225,13 +225,10 @@ TRAINING = [
 ]
 
 
-@pytest.mark.parametrize("config", TRAINING, ids=["-".join(str(v).replace("torch.", "")
-                                                        for v in c) for c in TRAINING])
-def test_training_kernel_gives_the_torch_routes_rows(config):
-    """csa::compressor_epilogue's forward by the kernel against its torch route on the same
-    pooled rows (directly, with edge rows), and end to end through the op: ragged
-    sequences, an empty one, padding rows past cu_seqlens_comp[-1], position offsets,
-    positions past the RoPE tables."""
+def _training_call(config):
+    """One training call's inputs (ragged sequences, an empty one, padding rows past
+    cu_seqlens_comp[-1], position offsets, positions past the RoPE tables), the op's keyword
+    arguments, the epilogue's parameters and pooled rows with edge rows (zero, NaN, 1e30)."""
     dtype, weight_dtype, d, rope, rotate, offsets, ratio, coff = config
     gen = torch.Generator().manual_seed(d + ratio)
     lengths = (37 * ratio // 4, 0, 3, 129 * ratio // 4 + 1, 16 * ratio)
@@ -252,15 +249,27 @@ def test_training_kernel_gives_the_torch_routes_rows(config):
                   rope_dim=rope, rotate=rotate, position_offset=position_offset,
                   total_comp=total)
     params = reference_epilogue.EpilogueParams(weight, eps, cos, sin, rope, rotate)
-
     pooled = torch.randn(total, d, generator=gen, dtype=torch.float64)
     pooled[0] = 0.0
     pooled[2, 1] = float("nan")
     pooled[4, : d // 4] = 1e30
-    pooled = pooled.to(DEVICE, dtype)
+    return (kv, score, ape, cu, cuc), kwargs, params, pooled.to(DEVICE, dtype)
+
+
+def _training_ids(configs):
+    return ["-".join(str(v).replace("torch.", "") for v in c) for c in configs]
+
+
+@pytest.mark.parametrize("config", TRAINING, ids=_training_ids(TRAINING))
+def test_training_kernel_gives_the_torch_routes_rows(config):
+    """csa::compressor_epilogue's forward by the kernel against its torch route on the same
+    pooled rows (directly, with edge rows), and end to end through the op."""
+    (kv, score, ape, cu, cuc), kwargs, params, pooled = _training_call(config)
+    ratio, position_offset = kwargs["ratio"], kwargs["position_offset"]
     with row_epilogue.kernel_route():
-        got = row_epilogue.launch_rows(pooled, cuc, position_offset, ratio, weight, eps, cos,
-                                       sin, rope, rotate)
+        got = row_epilogue.launch_rows(pooled, cuc, position_offset, ratio, params.norm_weight,
+                                       params.eps, params.cos, params.sin, params.rope_dim,
+                                       params.rotate)
     assert got is not None, "the kernel did not take the call"
     want = reference_epilogue.training_rows(pooled, cuc, position_offset, ratio, params)
     assert_bitwise_equal(got, want, "rows")
@@ -271,6 +280,59 @@ def test_training_kernel_gives_the_torch_routes_rows(config):
         composed = epilogue.compressor_epilogue(kv, score, ape, cu, cuc, **kwargs)
     assert_bitwise_equal(fused, composed, "op rows")
     assert bool((fused[int(cuc[-1]):] == 0).all())
+
+
+def _assert_weight_grad_close(got, want, rows: int, name: str):
+    """grad_weight: the same column sums in another fixed order (fp32 summation error over
+    ``rows`` terms), then one rounding to the weight's dtype (one step of it apart at most);
+    NaN where the reference has NaN."""
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    assert bool((got.isnan() == want.isnan()).all()), f"{name}: NaN pattern"
+    finite = ~want.isnan()
+    rtol = max(torch.finfo(want.dtype).eps, 1e-5)
+    atol = 1e-6 * rows * float(want[finite].abs().max()) if bool(finite.any()) else 0.0
+    torch.testing.assert_close(got[finite], want[finite], rtol=rtol, atol=atol, msg=name)
+
+
+TRAINING_BACKWARD = TRAINING + [(torch.bfloat16, torch.float32, 4096, 64, True, True, 4, 1)]
+
+
+@pytest.mark.parametrize("config", TRAINING_BACKWARD, ids=_training_ids(TRAINING_BACKWARD))
+def test_training_backward_kernel_gives_the_torch_routes_gradients(config):
+    """csa::compressor_epilogue_backward's way back through the epilogue by the kernel
+    against its torch route: the pooled rows' gradient bitwise (edge rows included),
+    grad_weight within fp32 summation error; end to end through the op, grad_kv,
+    grad_score and grad_ape bitwise (the pooling backward of the same rows' gradient)."""
+    (kv, score, ape, cu, cuc), kwargs, params, pooled = _training_call(config)
+    ratio, position_offset = kwargs["ratio"], kwargs["position_offset"]
+    gen = torch.Generator().manual_seed(7)
+    grad_out = torch.randn(pooled.shape, generator=gen).to(DEVICE, pooled.dtype)
+    grad_out[3] = float("inf")
+    rows = pooled.shape[0]
+    for name, given in (("edge rows", pooled), ("clean rows", pooled.nan_to_num(0.0, 1.0, -1.0))):
+        with row_epilogue.kernel_route():
+            got = row_epilogue.launch_rows_backward(
+                grad_out, given, cuc, position_offset, ratio, params.norm_weight, params.eps,
+                params.cos, params.sin, params.rope_dim, params.rotate)
+        assert got is not None, "the kernel did not take the call"
+        want = reference_epilogue.training_rows_backward(grad_out, given, cuc,
+                                                         position_offset, ratio, params)
+        assert_bitwise_equal(got[0], want[0], f"grad rows ({name})")
+        _assert_weight_grad_close(got[1], want[1], rows, f"grad_weight ({name})")
+
+    grad_out = torch.randn(pooled.shape, generator=gen).to(DEVICE, pooled.dtype)
+    args = (grad_out, kv, score, ape, cu, cuc, ratio, kwargs["coff"], params.norm_weight,
+            params.eps, params.cos, params.sin, params.rope_dim, position_offset, params.rotate)
+    with row_epilogue.kernel_route():
+        fused = torch.ops.csa.compressor_epilogue_backward(*args)
+        again = torch.ops.csa.compressor_epilogue_backward(*args)
+    with row_epilogue.torch_route():
+        composed = torch.ops.csa.compressor_epilogue_backward(*args)
+    for i, name in enumerate(("grad_kv", "grad_score", "grad_ape")):
+        assert_bitwise_equal(fused[i], composed[i], name)
+    _assert_weight_grad_close(fused[3], composed[3], rows, "grad_weight")
+    for i in range(4):
+        assert_bitwise_equal(again[i], fused[i], "run to run")
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6])

@@ -89,22 +89,30 @@ class RowEpilogue:
         return Float32(self.dtype(x))
 
     @cute.jit
-    def rms_norm(self, rX: cute.Tensor, p_weight, sX: cute.Tensor, tid: Int32):
+    def inverse_rms(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
+        """1 / sqrt(mean(x^2) + eps) of the strided row, on every thread: the correctly
+        rounded root, then an IEEE division (reference_epilogue.inverse_rms)."""
         rSq = cute.make_rmem_tensor((self.V,), Float32)
         for k in cutlass.range_constexpr(self.V):
             rSq[k] = cm.mul_rn(rX[k], rX[k])
         mean = cm.div_rn(self.row_sum(rSq, sX, tid), Float32(float(self.D)))
         root = cute.math.sqrt(cm.add_rn(mean, Float32(self.eps)),
                               rounding=RoundingMode.NEAREST_EVEN)
-        inverse = cm.div_rn(Float32(1.0), root)
+        return cm.div_rn(Float32(1.0), root)
+
+    @cute.jit
+    def rms_norm(self, rX: cute.Tensor, p_weight, sX: cute.Tensor, tid: Int32):
+        inverse = self.inverse_rms(rX, sX, tid)
         weight = cute.make_tensor(p_weight, self.D)
         for k in cutlass.range_constexpr(self.V):
             w = Float32(weight[tid + k * self.T])
             rX[k] = self.to_dtype(cm.mul_rn(cm.mul_rn(rX[k], inverse), w))
 
     @cute.jit
-    def rope(self, rX: cute.Tensor, p_cos, p_sin, table_row: Int64, tid: Int32):
-        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes."""
+    def rope(self, rX: cute.Tensor, p_cos, p_sin, table_row: Int64, tid: Int32,
+             transpose: cutlass.Constexpr[bool] = False):
+        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes.
+        ``transpose`` turns them back by the same angle (the backward)."""
         half = self.rope_dim // 2
         first = self.D - self.rope_dim
         cos = cute.make_tensor(p_cos + table_row * half, half)
@@ -116,10 +124,17 @@ class RowEpilogue:
             if column >= first:
                 pair = (column - first) // 2
                 c, s = cos[pair], sin[pair]
-                if odd:  # even * sin + odd * cos
-                    rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(partner, s), cm.mul_rn(rX[k], c)))
-                else:  # even * cos - odd * sin
-                    rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(rX[k], c), cm.mul_rn(partner, s)))
+                x = rX[k]
+                if cutlass.const_expr(transpose):
+                    if odd:  # odd * cos - even * sin
+                        rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(x, c), cm.mul_rn(partner, s)))
+                    else:  # even * cos + odd * sin
+                        rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(x, c), cm.mul_rn(partner, s)))
+                else:
+                    if odd:  # even * sin + odd * cos
+                        rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(partner, s), cm.mul_rn(x, c)))
+                    else:  # even * cos - odd * sin
+                        rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(x, c), cm.mul_rn(partner, s)))
 
     @cute.jit
     def hadamard(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32):

@@ -64,3 +64,77 @@ class RowEpilogueRows(RowEpilogue):
                     num_segs, table_rows, ratio).launch(
             grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.D * 4 + 16, stream=stream,
             use_pdl=self.pdl)
+
+
+class RowEpilogueRowsBackward(RowEpilogueRows):
+    """Training backward: per row, the gradient of the pooled row through the rotation, RoPE
+    and the norm (reference_epilogue.epilogue_rows_backward operation for operation, so
+    grad_rows is the torch route's bits), and each CTA's column sums of grad * normed over
+    its rows in row order: one fp32 partial row of grad_weight per CTA, summed on the host
+    (a fixed order, no atomics)."""
+
+    @cute.jit
+    def row_gradient(self, p_grad, p_rows, n: Int32, p_weight, p_cos, p_sin, position: Int64,
+                     table_rows: Int32, sRow: cute.Tensor, tid: Int32, rG: cute.Tensor,
+                     rW: cute.Tensor):
+        """rG <- the gradient of pooled row n (strided) in the row dtype's values; rW +=
+        this row's grad * normed."""
+        grad = cute.make_tensor(p_grad + Int64(n) * self.D, self.D)
+        for k in cutlass.range_constexpr(self.V):
+            rG[k] = Float32(grad[tid + k * self.T])
+        # The forward's steps in reverse, each transposed: the rotation is its own.
+        if cutlass.const_expr(self.rotate):
+            self.hadamard(rG, sRow, tid)
+        if cutlass.const_expr(self.rope_dim > 0):
+            table_row = cutlass.min(cutlass.max(position, Int64(0)), Int64(table_rows) - 1)
+            self.rope(rG, p_cos, p_sin, table_row, tid, transpose=True)
+        row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
+        rX = cute.make_rmem_tensor((self.V,), Float32)
+        for k in cutlass.range_constexpr(self.V):
+            rX[k] = Float32(row[tid + k * self.T])
+        inverse = self.inverse_rms(rX, sRow, tid)
+        weight = cute.make_tensor(p_weight, self.D)
+        rScaled = cute.make_rmem_tensor((self.V,), Float32)
+        for k in cutlass.range_constexpr(self.V):
+            rX[k] = cm.mul_rn(rX[k], inverse)  # normed
+            rW[k] = cm.add_rn(rW[k], cm.mul_rn(rG[k], rX[k]))
+            rScaled[k] = cm.mul_rn(rG[k], Float32(weight[tid + k * self.T]))
+            rG[k] = cm.mul_rn(rX[k], rScaled[k])  # the mean's terms (rG is free now)
+        mean = cm.div_rn(self.row_sum(rG, sRow, tid), Float32(float(self.D)))
+        # d/dx of x * r(x), r = 1 / sqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
+        for k in cutlass.range_constexpr(self.V):
+            rG[k] = self.to_dtype(
+                cm.mul_rn(cm.sub_rn(rScaled[k], cm.mul_rn(rX[k], mean)), inverse))
+
+    @cute.kernel
+    def kernel(self, p_grad, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_grad_rows,
+               p_partials, num_rows: Int32, num_segs: Int32, table_rows: Int32, ratio: Int32,
+               rows_per_cta: Int32):
+        tid, cta, sRow = self.row_of_cta()
+        rW = cute.make_rmem_tensor((self.V,), Float32)
+        rW.fill(0.0)
+        rG = cute.make_rmem_tensor((self.V,), Float32)
+        first = cta * rows_per_cta
+        for n in cutlass.range(first, cutlass.min(first + rows_per_cta, num_rows), unroll=1):
+            valid, position = self.position(p_cuc, p_offset, n, num_segs, ratio)
+            rG.fill(0.0)
+            if valid:  # the same for every thread of the CTA; padding rows add nothing
+                self.row_gradient(p_grad, p_rows, n, p_weight, p_cos, p_sin, position,
+                                  table_rows, sRow, tid, rG, rW)
+            grad_rows = cute.make_tensor(p_grad_rows + Int64(n) * self.D, self.D)
+            for k in cutlass.range_constexpr(self.V):
+                grad_rows[tid + k * self.T] = self.dtype(rG[k])
+        partial = cute.make_tensor(p_partials + Int64(cta) * self.D, self.D)
+        for k in cutlass.range_constexpr(self.V):
+            partial[tid + k * self.T] = rW[k]
+
+    @cute.jit
+    def __call__(self, p_grad: cute.Pointer, p_rows: cute.Pointer, p_weight: cute.Pointer,
+                 p_cos: cute.Pointer, p_sin: cute.Pointer, p_cuc: cute.Pointer,
+                 p_offset: cute.Pointer, p_grad_rows: cute.Pointer, p_partials: cute.Pointer,
+                 num_rows: Int32, num_segs: Int32, table_rows: Int32, ratio: Int32,
+                 rows_per_cta: Int32, grid: Int32, stream: cuda.CUstream):
+        self.kernel(p_grad, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_grad_rows,
+                    p_partials, num_rows, num_segs, table_rows, ratio, rows_per_cta).launch(
+            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.D * 4 + 16, stream=stream,
+            use_pdl=self.pdl)
