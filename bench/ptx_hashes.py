@@ -75,6 +75,8 @@ EPILOGUE_CASES = (
     (Direction.STORE, "float32", "float32", 512, 64, True, "none", False),
     (Direction.EPILOGUE, "bfloat16", "float32", 512, 64, False, "none", True),
     (Direction.EPILOGUE, "float16", "bfloat16", 128, 64, True, "none", False),
+    (Direction.EPILOGUE_BACKWARD, "bfloat16", "float32", 512, 64, False, "none", True),
+    (Direction.EPILOGUE_BACKWARD, "float16", "bfloat16", 128, 64, True, "none", False),
 )
 ROLES = ("main", "grad_ape sum")
 _ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)

@@ -176,3 +176,13 @@ def test_the_forward_numerics_mode_picks_the_streaming_forward_key():
     with pytest.raises(ValueError, match="forward numerics must be one of"):
         csa_ops.set_forward_numerics("quick")
     assert csa_ops.get_forward_numerics() == "certified"
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages by name: a new folder missing there installs in
+    editable mode (the folder is on the path) but not from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])
+    found = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert found == listed
