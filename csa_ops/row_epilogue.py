@@ -161,6 +161,8 @@ def launch_rows_backward(grad_out, rows, cu_seqlens_comp, position_offset, ratio
     where the kernel does not take the call (nothing launched)."""
     if not (STATE.training_epilogue_backward_kernel and rows.is_cuda and rows.shape[0]):
         return None
+    if grad_out.shape != rows.shape or grad_out.dtype != rows.dtype:
+        return None  # the kernel reads grad_out as rows of the rows' dtype
     offsets = position_offset is not None
     offset, cos, sin = _readable(rows, cu_seqlens_comp, position_offset, rope_dim, cos, sin)
     num_rows, head_dim = rows.shape

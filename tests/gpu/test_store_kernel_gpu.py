@@ -353,3 +353,30 @@ def test_training_kernel_rows_of_no_segment_and_zero_eps(eps):
             got = row_epilogue.launch_rows(pooled, cuc, None, 4, weight, eps, cos, sin, 64, True)
         want = reference_epilogue.training_rows(pooled, cuc, None, 4, params)
         assert_bitwise_equal(got, want, f"rows, cu_seqlens_comp {cuc.tolist()}")
+
+
+@pytest.mark.parametrize("d, real_rows, padding", [(64, 1025, 0), (512, 2500, 600),
+                                                   (128, 5000, 1)])
+def test_training_backward_kernel_over_many_rows_per_cta(d, real_rows, padding):
+    """More rows than the backward's 1024 CTAs: each CTA walks several rows (shared memory
+    reused row after row, grad_weight's partial summed across them, a short last CTA,
+    padding rows spread over CTAs): the rows' gradient bitwise the torch route's."""
+    gen = torch.Generator().manual_seed(d + real_rows)
+    lengths = [4 * (real_rows // 3), 4 * (real_rows - 2 * (real_rows // 3)) + 3,
+               4 * (real_rows // 3)]
+    cu, cuc = csa_ops.offsets_for(lengths, 4, device=DEVICE)
+    assert int(cuc[-1]) == real_rows
+    total = real_rows + padding
+    pooled = torch.randn(total, d, generator=gen).to(DEVICE, torch.bfloat16)
+    grad_out = torch.randn(total, d, generator=gen).to(DEVICE, torch.bfloat16)
+    weight = (1 + 0.25 * torch.randn(d, generator=gen)).to(DEVICE)
+    angles = torch.rand(4 * total, 32, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = torch.cos(angles).float().to(DEVICE), torch.sin(angles).float().to(DEVICE)
+    params = reference_epilogue.EpilogueParams(weight, 1e-6, cos, sin, 64, True)
+    with row_epilogue.kernel_route():
+        got = row_epilogue.launch_rows_backward(grad_out, pooled, cuc, None, 4, weight, 1e-6,
+                                                cos, sin, 64, True)
+    want = reference_epilogue.training_rows_backward(grad_out, pooled, cuc, None, 4, params)
+    assert_bitwise_equal(got[0], want[0], "grad rows")
+    assert bool((got[0][real_rows:] == 0).all())
+    _assert_weight_grad_close(got[1], want[1], total, "grad_weight")
