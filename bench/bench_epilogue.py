@@ -25,6 +25,7 @@ results.md and results.png under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -99,9 +100,10 @@ class Epilogue:
 
 
 def _routed(region, route):
+    """``region`` run, forward and backward, under ``route`` (see _step)."""
     def call(*args):
-        with route():
-            return region(*args)
+        return region(*args)
+    call.route = route
     return call
 
 
@@ -128,16 +130,19 @@ def _step(e: Epilogue, region, direction: str, weighted: bool = True):
     only where ``weighted``)."""
     case = e.case
     leaves = [case.args(i, grad=True)[:3] for i in range(case.num_sets)]
+    route = getattr(region, "route", contextlib.nullcontext)  # the backward's too
 
     def forward(i):
         kv, score, ape, _, _ = case.args(i)
-        return region(kv, score, ape, e.weight.detach())
+        with route():
+            return region(kv, score, ape, e.weight.detach())
 
     def forward_backward(i):
         kv, score, ape = leaves[i % case.num_sets]
-        rows = region(kv, score, ape, e.weight)
         inputs = (kv, score, ape) + ((e.weight,) if weighted else ())
-        return torch.autograd.grad(rows, inputs, case.grad_out(i))
+        with route():
+            rows = region(kv, score, ape, e.weight)
+            return torch.autograd.grad(rows, inputs, case.grad_out(i))
 
     return forward if direction == "fwd" else forward_backward
 

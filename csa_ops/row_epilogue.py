@@ -3,16 +3,17 @@
 kernels.
 
 - ``launch_store``: csa::compressor_extend_store's epilogue, encoding and paged store after
-  the extend kernel (on by default; tested bitwise on the H200).
+  the extend kernel (``STATE.store_kernel``).
 - ``launch_rows``: csa::compressor_epilogue's forward epilogue after csa::compressor's
-  kernel, rows packed. Off by default (``STATE.training_epilogue_kernel``): it is not yet
-  validated on a GPU; ``kernel_route()`` turns it on (its GPU tests do).
+  kernel, rows packed (``STATE.training_epilogue_kernel``).
 - ``launch_rows_backward``: csa::compressor_epilogue_backward's way back through the
   epilogue, from grad_out and the recomputed pooled rows to their gradient and grad_weight
-  (``STATE.training_epilogue_backward_kernel``, off likewise).
+  (``STATE.training_epilogue_backward_kernel``).
 
+All three are on by default; ``torch_route()`` and ``kernel_route()`` choose for a scope.
 The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
-operation, so the results are the torch route's bytes; calls a kernel does not take (fp64
+operation, so the results are the torch route's bytes (grad_weight: its column sums in the
+kernel's own fixed order); calls a kernel does not take (fp64
 rows, non-power-of-two head_dim, a non-contiguous or misaligned output, other GPUs) keep the
 torch route. Nothing here synchronizes: a step stays capturable in a CUDA graph.
 """

@@ -50,11 +50,11 @@ class ProcessState:
         self.problems: dict[tuple, Any] = {}  # call metadata -> resolved problem
         self.multi_gpu: bool | None = None
         self.python_launch_path = False  # calls prepared now take the Python path
-        # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (the training
-        # forward's and backward's are off: not yet validated on a GPU)
+        # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (off: the torch
+        # route, the composition they are tested against)
         self.store_kernel = True
-        self.training_epilogue_kernel = False
-        self.training_epilogue_backward_kernel = False
+        self.training_epilogue_kernel = True
+        self.training_epilogue_backward_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native
         self.native_tag: str | None = None

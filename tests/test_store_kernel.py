@@ -123,19 +123,25 @@ def test_key_shapes_and_checks():
 
 
 def test_routes_and_defaults():
-    """The store kernel is on by default, the training forward's off (not yet validated on
-    a GPU); torch_route() turns both off and kernel_route() both on, each restoring the
-    state before; on the CPU neither kernel takes a call."""
+    """Every row-epilogue kernel is on by default; torch_route() turns them off and
+    kernel_route() on, each restoring the state before; on the CPU no kernel takes a call."""
     from csa_ops import row_epilogue
     from csa_ops.state import STATE
 
-    assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (True, False)
-    with row_epilogue.kernel_route():
-        assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (True, True)
-        with row_epilogue.torch_route():
-            assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (False, False)
-        rows = torch.randn(6, 64)
-        cuc = torch.tensor([0, 4, 6], dtype=torch.int32)
-        assert row_epilogue.launch_rows(rows, cuc, None, 4, torch.ones(64), 1e-6, None, None,
-                                        0, False) is None
-    assert (STATE.store_kernel, STATE.training_epilogue_kernel) == (True, False)
+    def flags():
+        return (STATE.store_kernel, STATE.training_epilogue_kernel,
+                STATE.training_epilogue_backward_kernel)
+
+    assert flags() == (True, True, True)
+    with row_epilogue.torch_route():
+        assert flags() == (False, False, False)
+        with row_epilogue.kernel_route():
+            assert flags() == (True, True, True)
+            rows = torch.randn(6, 64)
+            cuc = torch.tensor([0, 4, 6], dtype=torch.int32)
+            assert row_epilogue.launch_rows(rows, cuc, None, 4, torch.ones(64), 1e-6, None,
+                                            None, 0, False) is None
+            assert row_epilogue.launch_rows_backward(rows, rows, cuc, None, 4, torch.ones(64),
+                                                     1e-6, None, None, 0, False) is None
+        assert flags() == (False, False, False)
+    assert flags() == (True, True, True)

@@ -213,7 +213,7 @@ def test_op_runs_the_kernel_and_the_torch_route_alike():
     assert_bitwise_equal(caches[2], caches[0], "cache (compiled, kernel)")
 
 
-# The training forward's kernel (off by default until this file has run on the H200):
+# The training kernels against the torch route:
 # dtype, weight dtype, head_dim, rope_dim, rotate, position offsets, ratio, coff.
 TRAINING = [
     (torch.bfloat16, torch.float32, 32, 16, True, True, 4, 2),
