@@ -669,3 +669,28 @@ def test_compiled_steps_store_what_eager_steps_store(cache_format, rope_dim, rot
     assert_bitwise_equal(compiled.cache, eager.cache, "cache")
     assert_bitwise_equal(compiled.state.kv, eager.state.kv, "kv_state")
     assert_bitwise_equal(compiled.state.score, eager.state.score, "score_state")
+
+
+def test_metadata_checks_run_once_per_signature(monkeypatch):
+    """A repeated call's metadata checks are skipped (its signature passed them), but not
+    the cache's layout, which the signature leaves out, nor a scalar of another type."""
+    s = Serving("mxfp4", (17, 5, 6), RATIO, COFF, 0, True, seed=16)
+    args = list(s.args([(0, 17), (1, 5), (2, 6)], [0, 0, 0]))
+    calls = []
+    check = serving_store.check_arguments
+    monkeypatch.setattr(serving_store, "check_arguments",
+                        lambda *a: calls.append(1) or check(*a))
+    serving_store._CHECKED.clear()
+    OP(*args)
+    OP(*args)
+    assert len(calls) == 1
+    cache = args[ARG["cache"]]
+    args[ARG["cache"]] = cache.transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match="`cache` must be contiguous"):
+        OP(*args)
+    assert len(calls) == 2
+    args[ARG["cache"]] = cache
+    ratio = float(args[ARG["ratio"]])  # equal and of the same hash, but not an int
+    with pytest.raises(ValueError, match="`ratio` must be an int"):
+        serving_store._check_once(*args[:ARG["ratio"]], ratio, args[ARG["coff"]])
+    assert len(calls) == 3
