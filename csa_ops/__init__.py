@@ -69,6 +69,20 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0,
                                  weight_dtype, arch)
 
 
+def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
+                        eps: float = 1e-6, dtype: torch.dtype | None = None,
+                        weight_dtype: torch.dtype | None = None, position_offset: bool = False,
+                        arch: str | None = None):
+    """Compile csa_ops.epilogue.compressor_epilogue's row-epilogue kernels (its forward's
+    and its backward's) ahead of use, as a CUDA graph capture needs; ``position_offset``:
+    for calls that pass one. Returns their key, or None where that epilogue runs as torch
+    ops. Arguments otherwise as in precompile_store."""
+    from . import host
+
+    return host.precompile_epilogue(head_dim, rope_dim, rotate, eps, dtype, weight_dtype,
+                                    position_offset, arch)
+
+
 def set_forward_numerics(mode: str) -> None:
     """The forward's numerics mode for this process: "certified" (the default: every output
     element within one rounding step of torch's eager region on the same device) or "fast"
@@ -105,4 +119,5 @@ def __getattr__(name: str):
 
 __all__ = ["Compressor", "CompressorState", "ForwardNumerics", "compressor",
            "compressor_extend", "forward_numerics", "get_forward_numerics", "offsets_for", "ops",
-           "precompile", "precompile_extend", "precompile_store", "set_forward_numerics"]
+           "precompile", "precompile_extend", "precompile_store", "precompile_epilogue",
+           "set_forward_numerics"]

@@ -80,13 +80,13 @@ class CompileCache:
     def _compile_now(self, direction: Direction, key: KernelKey, engine: bool = True) -> Any:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             if key.family == "epilogue":  # both row-epilogue directions (an EpilogueKey)
-                entry = ("a csa_ops.precompile_store(...) call for its epilogue (or the same "
-                         "call once eagerly)" if direction is Direction.STORE
-                         else "the same call once eagerly")
+                entry = ("precompile_store" if direction is Direction.STORE
+                         else "precompile_epilogue")
                 raise RuntimeError(
                     f"csa_ops: the row-epilogue kernel for {key} is not compiled and a CUDA "
-                    f"graph capture is active, where JIT is not allowed. Make {entry} before "
-                    f"capturing.")
+                    f"graph capture is active, where JIT is not allowed. Make a csa_ops."
+                    f"{entry}(...) call for its epilogue (or the same call once eagerly) "
+                    f"before capturing.")
             # csa::compressor's directions and csa::compressor_extend's kernels each have
             # their own precompile entry.
             entry = "precompile_extend" if direction is Direction.EXTEND else "precompile"

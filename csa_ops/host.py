@@ -213,13 +213,35 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
     """Compile (or load) csa::compressor_extend_store's row-epilogue kernel of one epilogue;
     weight_dtype None means float32; the rest as in precompile. Returns its key, or None
     where that epilogue runs as torch ops."""
-    dtype, arch = _target("precompile_store", dtype, arch)
-    weight_dtype = torch.float32 if weight_dtype is None else weight_dtype
-    _check_target("precompile_store", weight_dtype, arch)
-    key = epilogue_key(dtype, weight_dtype, head_dim, rope_dim, rotate, cache_format, eps, arch)
+    key = _epilogue_target("precompile_store", head_dim, cache_format, rope_dim, rotate, eps,
+                           dtype, weight_dtype, arch, False)
     if key is not None:
         KERNELS.get(Direction.STORE, key)
     return key
+
+
+def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
+                        eps: float = 1e-6, dtype: torch.dtype | None = None,
+                        weight_dtype: torch.dtype | None = None, position_offset: bool = False,
+                        arch: str | None = None):
+    """Compile (or load) csa::compressor_epilogue's row-epilogue kernels of one epilogue,
+    forward and backward; ``position_offset``: calls that pass one. Returns their key, or
+    None where that epilogue runs as torch ops."""
+    key = _epilogue_target("precompile_epilogue", head_dim, "none", rope_dim, rotate, eps,
+                           dtype, weight_dtype, arch, position_offset)
+    if key is not None:
+        for direction in (Direction.EPILOGUE, Direction.EPILOGUE_BACKWARD):
+            KERNELS.get(direction, key)
+    return key
+
+
+def _epilogue_target(entry: str, head_dim: int, cache_format: str, rope_dim: int, rotate: bool,
+                     eps: float, dtype, weight_dtype, arch, position_offset: bool):
+    dtype, arch = _target(entry, dtype, arch)
+    weight_dtype = torch.float32 if weight_dtype is None else weight_dtype
+    _check_target(entry, weight_dtype, arch)
+    return epilogue_key(dtype, weight_dtype, head_dim, rope_dim, rotate, cache_format, eps, arch,
+                        position_offset)
 
 
 # ---------------------------------------------------------------------------------------

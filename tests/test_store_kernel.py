@@ -88,6 +88,23 @@ def test_training_kernels_compile_and_pin_their_rounding(config, arch, direction
     assert "griddepcontrol.wait" in ptx
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_precompile_epilogue_compiles_both_training_directions(arch):
+    from csa_ops import host
+
+    key = csa_ops.precompile_epilogue(512, 64, False, 1e-6, torch.bfloat16, torch.float32,
+                                      position_offset=True, arch=arch)
+    assert key == plan.configure("bfloat16", "float32", 512, 64, False, "none", 1e-6, arch,
+                                 True)
+    misses = host.KERNELS.misses
+    for direction in (Direction.EPILOGUE, Direction.EPILOGUE_BACKWARD):
+        host.KERNELS.get(direction, key)
+    assert host.KERNELS.misses == misses  # both were compiled by the call
+    assert csa_ops.precompile_epilogue(96, arch=arch) is None  # not a power of two
+    with pytest.raises(ValueError, match="precompile_epilogue"):
+        csa_ops.precompile_epilogue(128, dtype=torch.float64, arch=arch)
+
+
 def test_precompile_store_declines_what_the_kernel_does_not_take():
     assert csa_ops.precompile_store(96, "none", arch="sm_90a") is None  # not a power of two
     assert csa_ops.precompile_store(256, "fp8_ds_mla", 64, arch="sm_90a") is None
