@@ -13,9 +13,9 @@ kernels.
 All three are on by default; ``torch_route()`` and ``kernel_route()`` choose for a scope.
 The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
 operation, so the results are the torch route's bytes (grad_weight: its column sums in the
-kernel's own fixed order); calls a kernel does not take (fp64
-rows, non-power-of-two head_dim, a non-contiguous or misaligned output, other GPUs) keep the
-torch route. Nothing here synchronizes: a step stays capturable in a CUDA graph.
+kernel's own fixed order); calls a kernel does not take (fp64 rows, non-power-of-two
+head_dim, a non-contiguous or misaligned output, other GPUs) keep the torch route. Nothing
+here synchronizes: a step stays capturable in a CUDA graph.
 """
 
 from __future__ import annotations
