@@ -228,15 +228,15 @@ def _row_capacity(kv, cu_seqlens, start_pos, ratio: int, exact: bool) -> int:
 _CHECKED = dispatch.PreparedCalls()
 
 
-def _check_once(*args) -> None:
-    """check_arguments, once per metadata signature: its checks are functions of the
+def _check_once(cache, args: tuple) -> None:
+    """check_arguments(*args), once per metadata signature: its checks are functions of the
     tensors' shapes, dtypes and devices and of the scalars (with their types, so 3.0 is not
-    3), and on a decode step they cost more host time than the kernels' launches. The cache's
-    layout, which the signature leaves out, is checked on every call."""
+    3), and on a decode step they cost more host time than the kernels' launches. The
+    layout of ``cache`` (one of args), which the signature leaves out, is checked on every
+    call."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     scalars = [(type(a), a) for a in args if not isinstance(a, torch.Tensor)]
     signature = dispatch.signature(tensors, *scalars)
-    cache = args[15]
     if signature in _CHECKED and cache.is_contiguous():
         return
     check_arguments(*args)
@@ -249,9 +249,9 @@ def extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_s
     """The op's composition. ``check_contents`` reads the index tensors on the host (the
     CPU op does); without it, rows whose request is invalid (as csa::compressor_extend
     treats them) or whose block-table entry is out of range are skipped."""
-    _check_once(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
-                norm_weight, eps, cos, sin, rope_dim, rotate, cache_format, cache,
-                block_table, page_size, ratio, coff)
+    _check_once(cache, (kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
+                        norm_weight, eps, cos, sin, rope_dim, rotate, cache_format, cache,
+                        block_table, page_size, ratio, coff))
     num_pages = cache.shape[0]
     if check_contents:
         _check_contents(kv, cu_seqlens, start_pos, slots, kv_state, cos, rope_dim, block_table,

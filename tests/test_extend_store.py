@@ -692,5 +692,5 @@ def test_metadata_checks_run_once_per_signature(monkeypatch):
     args[ARG["cache"]] = cache
     ratio = float(args[ARG["ratio"]])  # equal and of the same hash, but not an int
     with pytest.raises(ValueError, match="`ratio` must be an int"):
-        serving_store._check_once(*args[:ARG["ratio"]], ratio, args[ARG["coff"]])
+        serving_store._check_once(cache, (*args[:ARG["ratio"]], ratio, args[ARG["coff"]]))
     assert len(calls) == 3
