@@ -149,6 +149,9 @@ def _step(e: Epilogue, region, direction: str, weighted: bool = True):
 
 def run_shape(shape: Shape, args, bandwidth: float) -> list[dict]:
     device = torch.device(args.device)
+    # Each shape compiles its own functions: without a reset, the shapes' recompilations of
+    # the same code object pass dynamo's recompile limit.
+    torch._dynamo.reset()
     itemsize = torch.bfloat16.itemsize
     set_bytes = algorithmic_bytes(shape, itemsize)["fwd"]
     case = Case(shape, device, torch.bfloat16, timing.num_input_sets(set_bytes, device))

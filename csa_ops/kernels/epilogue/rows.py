@@ -101,29 +101,22 @@ class RowEpilogue:
         return cm.div_rn(Float32(1.0), root)
 
     @cute.jit
-    def rms_norm(self, rX: cute.Tensor, p_weight, sX: cute.Tensor, tid: Int32):
+    def rms_norm(self, rX: cute.Tensor, rWeight: cute.Tensor, sX: cute.Tensor, tid: Int32):
         inverse = self.inverse_rms(rX, sX, tid)
-        weight = cute.make_tensor(p_weight, self.D)
         for k in cutlass.range_constexpr(self.V):
-            w = Float32(weight[tid + k * self.T])
-            rX[k] = self.to_dtype(cm.mul_rn(cm.mul_rn(rX[k], inverse), w))
+            rX[k] = self.to_dtype(cm.mul_rn(cm.mul_rn(rX[k], inverse), rWeight[k]))
 
     @cute.jit
-    def rope(self, rX: cute.Tensor, p_cos, p_sin, table_row: Int64, tid: Int32,
+    def rope(self, rX: cute.Tensor, angles, tid: Int32,
              transpose: cutlass.Constexpr[bool] = False):
-        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes.
-        ``transpose`` turns them back by the same angle (the backward)."""
-        half = self.rope_dim // 2
-        first = self.D - self.rope_dim
-        cos = cute.make_tensor(p_cos + table_row * half, half)
-        sin = cute.make_tensor(p_sin + table_row * half, half)
+        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes, turned by
+        ``angles`` (load_angles). ``transpose`` turns them back (the backward)."""
+        rCos, rSin = angles
         odd = (tid & 1) == 1
         for k in cutlass.range_constexpr(self.V):
             partner = cute.arch.shuffle_sync_bfly(rX[k], offset=1)
-            column = tid + k * self.T
-            if column >= first:
-                pair = (column - first) // 2
-                c, s = cos[pair], sin[pair]
+            if self.rope_column(tid, k):
+                c, s = rCos[k], rSin[k]
                 x = rX[k]
                 if cutlass.const_expr(transpose):
                     if odd:  # odd * cos - even * sin
@@ -156,27 +149,87 @@ class RowEpilogue:
         for k in cutlass.range_constexpr(self.V):
             rX[k] = self.to_dtype(cm.mul_rn(rX[k], Float32(self.rotate_scale)))
 
-    @cute.jit
-    def row_of_cta(self):
-        """(thread, row, the row's fp32 shared-memory buffer) of a CTA, after the PDL wait
-        for the pooling kernel: one CTA per row."""
-        cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        n, _, _ = cute.arch.block_idx()
-        sRow = SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.D), 16)
-        return tid, n, sRow
+    # ------------------------------------------------------------ operand loads
+    # Each only issues its loads: a kernel issues every load of a row that it can address
+    # before the first instruction that waits (its row lookup, a barrier), so that their
+    # latencies overlap instead of adding up.
+    def rope_column(self, tid: Int32, k: int):
+        """Whether this thread's k-th strided column is a RoPE column."""
+        return tid + k * self.T >= self.D - self.rope_dim
+
+    def row_registers(self) -> cute.Tensor:
+        return cute.make_rmem_tensor((self.V,), Float32)
 
     @cute.jit
-    def finish_row(self, p_rows, n: Int32, p_weight, p_cos, p_sin, position: Int64,
-                   table_rows: Int32, sRow: cute.Tensor, tid: Int32, rX: cute.Tensor):
-        """rX <- pooled row n (strided) after RMSNorm, RoPE at ``position`` (clamped into
-        the tables, as the reference's lookup is) and the rotation, in the row dtype."""
+    def fill_row(self, rX: cute.Tensor, p_rows, n, tid: Int32):
+        """rX <- row n of a packed (rows, head_dim) tensor of the row dtype, strided, in
+        fp32."""
         row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
             rX[k] = Float32(row[tid + k * self.T])
-        self.rms_norm(rX, p_weight, sRow, tid)
+
+    @cute.jit
+    def load_row(self, p_rows, n, tid: Int32) -> cute.Tensor:
+        rX = self.row_registers()
+        self.fill_row(rX, p_rows, n, tid)
+        return rX
+
+    @cute.jit
+    def load_weight(self, p_weight, tid: Int32) -> cute.Tensor:
+        """The norm weight's strided columns, in fp32."""
+        weight = cute.make_tensor(p_weight, self.D)
+        rWeight = self.row_registers()
+        for k in cutlass.range_constexpr(self.V):
+            rWeight[k] = Float32(weight[tid + k * self.T])
+        return rWeight
+
+    def angle_registers(self):
+        """(cos, sin) registers for load_angles (zeros: columns without RoPE never read)."""
+        rCos, rSin = self.row_registers(), self.row_registers()
+        rCos.fill(0.0)
+        rSin.fill(0.0)
+        return rCos, rSin
+
+    @cute.jit
+    def load_angles(self, angles, p_cos, p_sin, position: Int64, table_rows: Int32,
+                    tid: Int32):
+        """angles <- (cos, sin) of this thread's RoPE columns at ``position``, clamped into
+        the tables as the reference's lookup is."""
         if cutlass.const_expr(self.rope_dim > 0):
+            rCos, rSin = angles
+            half = self.rope_dim // 2
             table_row = cutlass.min(cutlass.max(position, Int64(0)), Int64(table_rows) - 1)
-            self.rope(rX, p_cos, p_sin, table_row, tid)
+            cos = cute.make_tensor(p_cos + table_row * half, half)
+            sin = cute.make_tensor(p_sin + table_row * half, half)
+            for k in cutlass.range_constexpr(self.V):
+                if self.rope_column(tid, k):
+                    pair = (tid + k * self.T - (self.D - self.rope_dim)) // 2
+                    rCos[k] = cos[pair]
+                    rSin[k] = sin[pair]
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a CTA: the row's fp32 buffer (row_of_cta), then what
+        the kernel allocates after it (each buffer with its alignment's slack)."""
+        return self.D * 4 + 16
+
+    @cute.jit
+    def row_of_cta(self):
+        """(thread, CTA, the row's fp32 shared-memory buffer, the allocator of the rest of
+        smem_bytes) after the PDL wait for the pooling kernel."""
+        cm.await_upstream(self.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        n, _, _ = cute.arch.block_idx()
+        smem = SmemAllocator()
+        sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
+        return tid, n, sRow, smem
+
+    @cute.jit
+    def finish_row(self, rX: cute.Tensor, rWeight: cute.Tensor, angles, sRow: cute.Tensor,
+                   tid: Int32):
+        """rX (a pooled row, strided) <- after RMSNorm, RoPE by ``angles`` and the rotation,
+        in the row dtype's values."""
+        self.rms_norm(rX, rWeight, sRow, tid)
+        if cutlass.const_expr(self.rope_dim > 0):
+            self.rope(rX, angles, tid)
         if cutlass.const_expr(self.rotate):
             self.hadamard(rX, sRow, tid)

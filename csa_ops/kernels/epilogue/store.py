@@ -152,52 +152,60 @@ class RowEpilogueStore(RowEpilogue):
             fm.store_byte(p_cache, row_offset + self.D // 2 + column // self.block, scale)
 
     # ------------------------------------------------------------ the kernel
+    def smem_bytes(self) -> int:
+        return super().smem_bytes() + 4 * (self.T // 32) + 4  # count_le_cta's warp sums
+
     @cute.jit
-    def target(self, p_cu, p_start, p_slots, p_cuc, p_table, n: Int32, num_requests: Int32,
-               num_tokens: Int32, num_slots: Int32, table_width: Int32, num_pages: Int32,
-               page_size: Int32, ratio: Int32):
-        """(writes, cache row, position) of output row n: its request i (cuc[i] <= n <
-        cuc[i+1]), compressed row q = start_pos[i] // ratio + n - cuc[i], position q * ratio,
-        cache row block_table[i, q // page_size] * page_size + q % page_size. It writes when
-        n < cuc[-1], the request is valid (as the extend kernels judge it) and the
-        block-table entry is in range. Every load is in bounds for any contents."""
+    def target(self, p_cu, p_start, p_slots, p_cuc, p_table, p_cos, p_sin, angles,
+               n: Int32, num_requests: Int32, num_tokens: Int32, num_slots: Int32,
+               table_rows: Int32, table_width: Int32, num_pages: Int32, page_size: Int32,
+               ratio: Int32, tid: Int32, sWarps: cute.Tensor):
+        """(writes, cache row) of output row n, its RoPE angles loaded into ``angles``:
+        its request i (cuc[i] <= n < cuc[i+1]), compressed row q = start_pos[i] // ratio +
+        n - cuc[i] at position q * ratio, cache row block_table[i, q // page_size] *
+        page_size + q % page_size. It writes when n < cuc[-1], the request is valid (as the
+        extend kernels judge it) and the block-table entry is in range. Every load is in
+        bounds for any contents; the angles' and the page's loads are in flight together."""
         cuc = cute.make_tensor(p_cuc, num_requests + 1)
+        # cu_seqlens_comp comes from the extend kernel: sorted, from 0. So i < num_requests
+        # exactly when n < cuc[-1], and i >= 0 always (checked all the same).
+        i = cm.count_le_cta(cuc, num_requests + 1, n, tid, self.T, sWarps) - 1
         writes = Boolean(False)
         cache_row = Int64(0)
-        position = Int64(0)
-        if n < cuc[num_requests]:
-            i = cm.count_le(cuc, num_requests + 1, n) - 1
-            if i >= 0 and i < num_requests:  # noqa: PLR1716
-                valid, _, start, _, _ = requests.request_of(
-                    cute.make_tensor(p_cu, num_requests + 1),
-                    cute.make_tensor(p_start, num_requests),
-                    cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
-                if valid:
-                    q = Int64(start // ratio) + Int64(n) - Int64(cuc[i])
-                    column = q // Int64(page_size)
-                    if column < Int64(table_width):
-                        page = cute.make_tensor(
-                            p_table + Int64(i) * Int64(table_width) + column, 1)[0]
-                        if page >= 0 and page < num_pages:
-                            writes = Boolean(True)
-                            cache_row = (Int64(page) * Int64(page_size)
-                                         + q % Int64(page_size))
-                            position = q * Int64(ratio)
-        return writes, cache_row, position
+        if i >= 0 and i < num_requests:  # noqa: PLR1716
+            valid, _, start, _, _ = requests.request_of(
+                cute.make_tensor(p_cu, num_requests + 1),
+                cute.make_tensor(p_start, num_requests),
+                cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
+            if valid:
+                q = Int64(start // ratio) + Int64(n) - Int64(cuc[i])
+                self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
+                column = q // Int64(page_size)
+                if column < Int64(table_width):
+                    page = cute.make_tensor(
+                        p_table + Int64(i) * Int64(table_width) + column, 1)[0]
+                    if page >= 0 and page < num_pages:
+                        writes = Boolean(True)
+                        cache_row = Int64(page) * Int64(page_size) + q % Int64(page_size)
+        return writes, cache_row
 
     @cute.kernel
     def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_cuc, p_table,
                p_cache, num_rows: Int32, num_requests: Int32, num_tokens: Int32,
                num_slots: Int32, table_rows: Int32, table_width: Int32, num_pages: Int32,
                page_size: Int32, page_bytes: Int32, ratio: Int32):
-        tid, n, sRow = self.row_of_cta()
-        writes, cache_row, position = self.target(
-            p_cu, p_start, p_slots, p_cuc, p_table, n, num_requests, num_tokens, num_slots,
-            table_width, num_pages, page_size, ratio)
+        tid, n, sRow, smem = self.row_of_cta()
+        sWarps = smem.allocate_tensor(Int32, cute.make_layout(max(self.T // 32, 1)), 4)
+        # The row and the weight need no lookup: their loads fly during the row's.
+        rX = self.load_row(p_rows, n, tid)
+        rWeight = self.load_weight(p_weight, tid)
+        angles = self.angle_registers()
+        writes, cache_row = self.target(
+            p_cu, p_start, p_slots, p_cuc, p_table, p_cos, p_sin, angles, n, num_requests,
+            num_tokens, num_slots, table_rows, table_width, num_pages, page_size, ratio, tid,
+            sWarps)
         if writes:  # the same for every thread of the CTA
-            rX = cute.make_rmem_tensor((self.V,), Float32)
-            self.finish_row(p_rows, n, p_weight, p_cos, p_sin, position, table_rows, sRow,
-                            tid, rX)
+            self.finish_row(rX, rWeight, angles, sRow, tid)
             # Strided to contiguous through shared memory.
             for k in cutlass.range_constexpr(self.V):
                 sRow[tid + k * self.T] = rX[k]
@@ -238,5 +246,5 @@ class RowEpilogueStore(RowEpilogue):
         self.kernel(p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_cuc, p_table,
                     p_cache, num_rows, num_requests, num_tokens, num_slots, table_rows,
                     table_width, num_pages, page_size, page_bytes, ratio).launch(
-            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.D * 4 + 16, stream=stream,
+            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.smem_bytes(), stream=stream,
             use_pdl=self.pdl)

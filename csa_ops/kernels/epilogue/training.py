@@ -44,16 +44,18 @@ class RowEpilogueRows(RowEpilogue):
     @cute.kernel
     def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_out, num_rows: Int32,
                num_segs: Int32, table_rows: Int32, ratio: Int32):
-        tid, n, sRow = self.row_of_cta()
+        tid, n, sRow, _ = self.row_of_cta()
+        # The row and the weight need no lookup: their loads fly during the row's.
+        rX = self.load_row(p_rows, n, tid)
+        rWeight = self.load_weight(p_weight, tid)
+        angles = self.angle_registers()
         valid, position = self.position(p_cuc, p_offset, n, num_segs, ratio)
-        rX = cute.make_rmem_tensor((self.V,), Float32)
-        rX.fill(0.0)
         if valid:  # the same for every thread of the CTA
-            self.finish_row(p_rows, n, p_weight, p_cos, p_sin, position, table_rows, sRow,
-                            tid, rX)
+            self.load_angles(angles, p_cos, p_sin, position, table_rows, tid)
+            self.finish_row(rX, rWeight, angles, sRow, tid)
         out = cute.make_tensor(p_out + Int64(n) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
-            out[tid + k * self.T] = self.dtype(rX[k])
+            out[tid + k * self.T] = self.dtype(cm.pick(valid, rX[k], Float32(0.0)))
 
     @cute.jit
     def __call__(self, p_rows: cute.Pointer, p_weight: cute.Pointer, p_cos: cute.Pointer,
@@ -62,7 +64,7 @@ class RowEpilogueRows(RowEpilogue):
                  ratio: Int32, grid: Int32, stream: cuda.CUstream):
         self.kernel(p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_out, num_rows,
                     num_segs, table_rows, ratio).launch(
-            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.D * 4 + 16, stream=stream,
+            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.smem_bytes(), stream=stream,
             use_pdl=self.pdl)
 
 
@@ -73,32 +75,26 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
     its rows in row order: one fp32 partial row of grad_weight per CTA, summed on the host
     (a fixed order, no atomics)."""
 
+    def smem_bytes(self) -> int:
+        return super().smem_bytes() + 12 * self.T + 8  # a chunk's positions and flags
+
     @cute.jit
-    def row_gradient(self, p_grad, p_rows, n: Int32, p_weight, p_cos, p_sin, position: Int64,
-                     table_rows: Int32, sRow: cute.Tensor, tid: Int32, rG: cute.Tensor,
-                     rW: cute.Tensor):
-        """rG <- the gradient of pooled row n (strided) in the row dtype's values; rW +=
-        this row's grad * normed."""
-        grad = cute.make_tensor(p_grad + Int64(n) * self.D, self.D)
-        for k in cutlass.range_constexpr(self.V):
-            rG[k] = Float32(grad[tid + k * self.T])
+    def row_gradient(self, rG: cute.Tensor, rX: cute.Tensor, rWeight: cute.Tensor, angles,
+                     sRow: cute.Tensor, tid: Int32, rW: cute.Tensor):
+        """rG (the epilogue's output gradient of pooled row rX, strided) <- the gradient of
+        the pooled row, in the row dtype's values; rW += this row's grad * normed. rX is
+        spent."""
         # The forward's steps in reverse, each transposed: the rotation is its own.
         if cutlass.const_expr(self.rotate):
             self.hadamard(rG, sRow, tid)
         if cutlass.const_expr(self.rope_dim > 0):
-            table_row = cutlass.min(cutlass.max(position, Int64(0)), Int64(table_rows) - 1)
-            self.rope(rG, p_cos, p_sin, table_row, tid, transpose=True)
-        row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
-        rX = cute.make_rmem_tensor((self.V,), Float32)
-        for k in cutlass.range_constexpr(self.V):
-            rX[k] = Float32(row[tid + k * self.T])
+            self.rope(rG, angles, tid, transpose=True)
         inverse = self.inverse_rms(rX, sRow, tid)
-        weight = cute.make_tensor(p_weight, self.D)
-        rScaled = cute.make_rmem_tensor((self.V,), Float32)
+        rScaled = self.row_registers()
         for k in cutlass.range_constexpr(self.V):
             rX[k] = cm.mul_rn(rX[k], inverse)  # normed
             rW[k] = cm.add_rn(rW[k], cm.mul_rn(rG[k], rX[k]))
-            rScaled[k] = cm.mul_rn(rG[k], Float32(weight[tid + k * self.T]))
+            rScaled[k] = cm.mul_rn(rG[k], rWeight[k])
             rG[k] = cm.mul_rn(rX[k], rScaled[k])  # the mean's terms (rG is free now)
         mean = cm.div_rn(self.row_sum(rG, sRow, tid), Float32(float(self.D)))
         # d/dx of x * r(x), r = 1 / sqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
@@ -106,24 +102,65 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
             rG[k] = self.to_dtype(
                 cm.mul_rn(cm.sub_rn(rScaled[k], cm.mul_rn(rX[k], mean)), inverse))
 
+    def operand_registers(self):
+        """A row's (grad, pooled row, angles) registers for fetch."""
+        return self.row_registers(), self.row_registers(), self.angle_registers()
+
+    @cute.jit
+    def fetch(self, operands, p_grad, p_rows, p_cos, p_sin, n: Int32, valid: Int32,
+              position: Int64, table_rows: Int32, tid: Int32):
+        """Issues the loads of row n's operands (none for a padding row)."""
+        rG, rX, angles = operands
+        if valid != 0:
+            self.fill_row(rG, p_grad, n, tid)
+            self.fill_row(rX, p_rows, n, tid)
+            self.load_angles(angles, p_cos, p_sin, position, table_rows, tid)
+
+    @cute.jit
+    def move(self, source, target):
+        for src, dst in zip((source[0], source[1], *source[2]), (target[0], target[1], *target[2])):
+            for k in cutlass.range_constexpr(self.V):
+                dst[k] = src[k]
+
     @cute.kernel
     def kernel(self, p_grad, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_grad_rows,
                p_partials, num_rows: Int32, num_segs: Int32, table_rows: Int32, ratio: Int32,
                rows_per_cta: Int32):
-        tid, cta, sRow = self.row_of_cta()
-        rW = cute.make_rmem_tensor((self.V,), Float32)
+        tid, cta, sRow, smem = self.row_of_cta()
+        sPosition = smem.allocate_tensor(Int64, cute.make_layout(self.T), 8)
+        sValid = smem.allocate_tensor(Int32, cute.make_layout(self.T), 4)
+        rWeight = self.load_weight(p_weight, tid)
+        rW = self.row_registers()
         rW.fill(0.0)
-        rG = cute.make_rmem_tensor((self.V,), Float32)
+        current, upcoming = self.operand_registers(), self.operand_registers()
         first = cta * rows_per_cta
-        for n in cutlass.range(first, cutlass.min(first + rows_per_cta, num_rows), unroll=1):
-            valid, position = self.position(p_cuc, p_offset, n, num_segs, ratio)
-            rG.fill(0.0)
-            if valid:  # the same for every thread of the CTA; padding rows add nothing
-                self.row_gradient(p_grad, p_rows, n, p_weight, p_cos, p_sin, position,
-                                  table_rows, sRow, tid, rG, rW)
-            grad_rows = cute.make_tensor(p_grad_rows + Int64(n) * self.D, self.D)
-            for k in cutlass.range_constexpr(self.V):
-                grad_rows[tid + k * self.T] = self.dtype(rG[k])
+        last = cutlass.min(first + rows_per_cta, num_rows)
+        # The CTA's rows in chunks of `threads`: a chunk's positions are looked up at once,
+        # a thread each, and each row's loads are issued while the row before it is worked.
+        for chunk in cutlass.range(first, last, self.T, unroll=1):
+            if chunk + tid < last:
+                valid, position = self.position(p_cuc, p_offset, chunk + tid, num_segs, ratio)
+                sValid[tid] = Int32(valid)
+                sPosition[tid] = position
+            cute.arch.sync_threads()
+            end = cutlass.min(chunk + self.T, last)
+            self.fetch(current, p_grad, p_rows, p_cos, p_sin, chunk, sValid[0], sPosition[0],
+                       table_rows, tid)
+            for n in cutlass.range(chunk, end, unroll=1):
+                j = n - chunk
+                if n + 1 < end:
+                    self.fetch(upcoming, p_grad, p_rows, p_cos, p_sin, n + 1, sValid[j + 1],
+                               sPosition[j + 1], table_rows, tid)
+                valid = sValid[j] != 0  # the same for every thread of the CTA
+                rG, rX, angles = current
+                if valid:  # padding rows add nothing
+                    self.row_gradient(rG, rX, rWeight, angles, sRow, tid, rW)
+                grad_rows = cute.make_tensor(p_grad_rows + Int64(n) * self.D, self.D)
+                for k in cutlass.range_constexpr(self.V):
+                    grad_rows[tid + k * self.T] = self.dtype(cm.pick(valid, rG[k],
+                                                                     Float32(0.0)))
+                self.move(upcoming, current)
+            cute.arch.sync_threads()  # the chunk's positions are read before the next's
         partial = cute.make_tensor(p_partials + Int64(cta) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
             partial[tid + k * self.T] = rW[k]
@@ -136,5 +173,5 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
                  rows_per_cta: Int32, grid: Int32, stream: cuda.CUstream):
         self.kernel(p_grad, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_grad_rows,
                     p_partials, num_rows, num_segs, table_rows, ratio, rows_per_cta).launch(
-            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.D * 4 + 16, stream=stream,
+            grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.smem_bytes(), stream=stream,
             use_pdl=self.pdl)
