@@ -125,6 +125,7 @@ def per_call_costs(calls: int, rounds: int = 3) -> dict:
     the Python kernels (a process with CSA_OPS_NATIVE=0 has none)."""
     import csa_ops
     from csa_ops import host, native
+    from csa_ops.state import STATE
 
     ratio, coff, d, tokens = 4, 2, 128, 256
     cu, cuc = csa_ops.offsets_for([tokens], ratio, "cuda")

@@ -33,7 +33,7 @@ _STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots"
                  "block_table", "cache")
 _ROWS_INPUTS = ("rows", "norm_weight", "cos", "sin", "cuc", "position_offset")
 _ROWS_BACKWARD_INPUTS = ("grad_out", "rows", "norm_weight", "cos", "sin", "cuc",
-                         "position_offset", "partials")
+                         "position_offset", "partials", "grad_weight")
 # The backward's CTAs (each one fp32 partial row of grad_weight) at most: a CTA takes
 # ceil(rows / MAX_PARTIALS) rows, so grad_weight's summation order depends on the row count
 # alone, not on the device.
@@ -170,7 +170,9 @@ def launch_rows_backward(grad_out, rows, cu_seqlens_comp, position_offset, ratio
     rows_per_cta = -(-num_rows // MAX_PARTIALS)
     grid = -(-num_rows // rows_per_cta)
     partials = torch.empty(grid, head_dim, dtype=torch.float32, device=rows.device)
-    tensors = (grad_out, rows, norm_weight, cos, sin, cu_seqlens_comp, offset, partials)
+    grad_weight = torch.empty(head_dim, dtype=torch.float32, device=rows.device)
+    tensors = (grad_out, rows, norm_weight, cos, sin, cu_seqlens_comp, offset, partials,
+               grad_weight)
     signature = dispatch.signature(tensors, Direction.EPILOGUE_BACKWARD, float(eps), rope_dim,
                                    rotate, offsets, ratio)
 
@@ -181,13 +183,13 @@ def launch_rows_backward(grad_out, rows, cu_seqlens_comp, position_offset, ratio
 
     call = _prepared(
         signature, Direction.EPILOGUE_BACKWARD, _ROWS_BACKWARD_INPUTS,
-        {"grad_rows": ("rows", None)}, ("partials",),
+        {"grad_rows": ("rows", None)}, ("partials", "grad_weight"),
         lambda host: _key(rows, norm_weight, eps, rope_dim, rotate, "none", host, offsets),
         constants, rows.device.index or 0)
     grad_rows = call(*tensors)
     if grad_rows is None:
         return None
-    return grad_rows, partials.sum(0).to(norm_weight.dtype)
+    return grad_rows, grad_weight.to(norm_weight.dtype)
 
 
 def _readable(rows, cu_seqlens_comp, position_offset, rope_dim: int, cos, sin):

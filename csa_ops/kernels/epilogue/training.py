@@ -14,8 +14,12 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
 from ..shared import common as cm
+from ..shared.reduce import launch_sum_parts
 from .plan import EpilogueKey
 from .rows import RowEpilogue
+
+
+_SUM_SPLIT = 32  # grad_weight's sum: warps per CTA, each adding every 32nd partial row
 
 
 class RowEpilogueRows(RowEpilogue):
@@ -72,8 +76,8 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
     """Training backward: per row, the gradient of the pooled row through the rotation, RoPE
     and the norm (reference_epilogue.epilogue_rows_backward operation for operation, so
     grad_rows is the torch route's bits), and each CTA's column sums of grad * normed over
-    its rows in row order: one fp32 partial row of grad_weight per CTA, summed on the host
-    (a fixed order, no atomics)."""
+    its rows in row order: one fp32 partial row of grad_weight per CTA, then summed by
+    shared/reduce.py's kernel (a fixed order, no atomics)."""
 
     def smem_bytes(self) -> int:
         return super().smem_bytes() + 12 * self.T + 8  # a chunk's positions and flags
@@ -169,9 +173,12 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
     def __call__(self, p_grad: cute.Pointer, p_rows: cute.Pointer, p_weight: cute.Pointer,
                  p_cos: cute.Pointer, p_sin: cute.Pointer, p_cuc: cute.Pointer,
                  p_offset: cute.Pointer, p_grad_rows: cute.Pointer, p_partials: cute.Pointer,
-                 num_rows: Int32, num_segs: Int32, table_rows: Int32, ratio: Int32,
-                 rows_per_cta: Int32, grid: Int32, stream: cuda.CUstream):
+                 p_grad_weight: cute.Pointer, num_rows: Int32, num_segs: Int32,
+                 table_rows: Int32, ratio: Int32, rows_per_cta: Int32, grid: Int32,
+                 stream: cuda.CUstream):
         self.kernel(p_grad, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_grad_rows,
                     p_partials, num_rows, num_segs, table_rows, ratio, rows_per_cta).launch(
             grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.smem_bytes(), stream=stream,
             use_pdl=self.pdl)
+        # grad_weight: the CTAs' partial rows summed in a fixed order (shared/reduce.py).
+        launch_sum_parts(p_partials, p_grad_weight, grid, self.D, _SUM_SPLIT, self.pdl, stream)
