@@ -16,8 +16,8 @@ import timing  # bench/ is the script's folder, so on sys.path
 import torch
 
 from csa_ops import host
-from csa_ops.kernels.streaming import plan as streaming_plan
 from csa_ops.config import Direction
+from csa_ops.kernels.streaming import plan as streaming_plan
 
 SHAPES = (  # (tokens, head_dim, ratio, coff)
     (65536, 128, 128, 1),
@@ -84,6 +84,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--only", default="",
+                        help="comma-separated shape filters, e.g. '1x65536 d512 r128 c2'")
+    parser.add_argument("--directions", default="fwd,bwd", help="fwd, bwd or both")
     parser.add_argument("--variants", default="",
                         help="';'-separated configure overrides, e.g. 'cv=4;cv=4,ctas=3'")
     args = parser.parse_args()
@@ -96,7 +99,12 @@ def main() -> None:
     bw = timing.copy_bandwidth(device, 2**30)
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows_out = []
+    only = [f.strip() for f in args.only.split(",") if f.strip()]
+    directions = [d.strip() for d in args.directions.split(",")]
     for tokens, d, ratio, coff in SHAPES:
+        name = f"1x{tokens} d{d} r{ratio} c{coff}"
+        if only and name not in only:
+            continue
         eb = torch.tensor([], dtype=dtype).element_size()
         rows = tokens // ratio
         in_bytes = 2 * tokens * coff * d * eb
@@ -104,9 +112,11 @@ def main() -> None:
         bwd_bytes = fwd_bytes + rows * d * eb + in_bytes
         nsets = timing.num_input_sets(in_bytes, device, cap=8)
         sets = [_inputs(tokens, d, ratio, coff, dtype, seed) for seed in range(nsets)]
-        rec = {"shape": f"1x{tokens} d{d} r{ratio} c{coff}",
+        rec = {"shape": name,
                "floor_fwd_us": fwd_bytes / bw * 1e6, "floor_bwd_us": bwd_bytes / bw * 1e6}
         for backward in (False, True):
+            if ("bwd" if backward else "fwd") not in directions:
+                continue
             direction = Direction.of(backward)
             base = streaming_plan.configure(ratio, coff, d, args.dtype, arch, direction)
             tag = "bwd" if backward else "fwd"
@@ -126,9 +136,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"{'shape':<24}{'fwd us':>9}{'floor':>8}{'x':>6}{'bwd us':>9}{'floor':>8}{'x':>6}")
     for r in rows_out:
-        print(f"{r['shape']:<24}{r['fwd_us']:9.2f}{r['floor_fwd_us']:8.2f}"
-              f"{r['fwd_us'] / r['floor_fwd_us']:6.2f}{r['bwd_us']:9.2f}{r['floor_bwd_us']:8.2f}"
-              f"{r['bwd_us'] / r['floor_bwd_us']:6.2f}")
+        cells = [f"{r['shape']:<24}"]
+        for tag in ("fwd", "bwd"):
+            us, floor = r.get(f"{tag}_us", float("nan")), r[f"floor_{tag}_us"]
+            cells.append(f"{us:9.2f}{floor:8.2f}{us / floor:6.2f}")
+        print("".join(cells))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows_out},
