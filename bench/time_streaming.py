@@ -90,6 +90,14 @@ def main() -> None:
     parser.add_argument("--variants", default="",
                         help="';'-separated configure overrides, e.g. 'cv=4;cv=4,ctas=3'")
     args = parser.parse_args()
+    only = [f.strip() for f in args.only.split(",") if f.strip()]
+    names = [f"1x{tokens} d{d} r{ratio} c{coff}" for tokens, d, ratio, coff in SHAPES]
+    unknown = [f for f in only if f not in names]
+    if unknown:
+        parser.error(f"--only: no shape named {unknown}; the shapes are {names}")
+    directions = [d.strip() for d in args.directions.split(",")]
+    if not directions or not set(directions) <= {"fwd", "bwd"}:
+        parser.error(f"--directions takes fwd, bwd or fwd,bwd, got {args.directions!r}")
     variants = [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")}
                 for v in args.variants.split(";") if v]
     dtype = getattr(torch, args.dtype)
@@ -99,10 +107,7 @@ def main() -> None:
     bw = timing.copy_bandwidth(device, 2**30)
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
     rows_out = []
-    only = [f.strip() for f in args.only.split(",") if f.strip()]
-    directions = [d.strip() for d in args.directions.split(",")]
-    for tokens, d, ratio, coff in SHAPES:
-        name = f"1x{tokens} d{d} r{ratio} c{coff}"
+    for name, (tokens, d, ratio, coff) in zip(names, SHAPES, strict=True):
         if only and name not in only:
             continue
         eb = torch.tensor([], dtype=dtype).element_size()

@@ -67,9 +67,8 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("grad_out", Arg.DATA), ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT),
         ("cos", Arg.F32), ("sin", Arg.F32), ("cuc", Arg.IDX), ("position_offset", Arg.IDX),
         ("grad_rows", Arg.DATA), ("partials", Arg.F32), ("grad_weight", Arg.F32),
-        ("num_rows", Arg.I32),
-        ("num_segs", Arg.I32), ("table_rows", Arg.I32), ("ratio", Arg.I32),
-        ("rows_per_cta", Arg.I32), ("grid", Arg.I32)),
+        ("num_rows", Arg.I32), ("num_segs", Arg.I32), ("table_rows", Arg.I32),
+        ("ratio", Arg.I32), ("rows_per_cta", Arg.I32), ("grid", Arg.I32)),
 }
 
 
