@@ -52,7 +52,7 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("grid", Arg.I32)),
     Direction.STORE: (
         ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
-        ("cu", Arg.IDX), ("start_pos", Arg.IDX), ("slots", Arg.IDX), ("cuc", Arg.IDX),
+        ("cu", Arg.IDX), ("start_pos", Arg.IDX), ("slots", Arg.IDX),
         ("block_table", Arg.IDX), ("cache", Arg.CACHE), ("num_rows", Arg.I32),
         ("num_requests", Arg.I32), ("num_tokens", Arg.I32), ("num_slots", Arg.I32),
         ("table_rows", Arg.I32), ("table_width", Arg.I32), ("num_pages", Arg.I32),

@@ -29,7 +29,7 @@ from .config import Direction
 from .launch_description import CallSpec, Launch, current_stream_handle, python_call
 from .state import STATE
 
-_STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots", "cuc",
+_STORE_INPUTS = ("rows", "norm_weight", "cos", "sin", "cu", "start_pos", "slots",
                  "block_table", "cache")
 _ROWS_INPUTS = ("rows", "norm_weight", "cos", "sin", "cuc", "position_offset")
 _ROWS_BACKWARD_INPUTS = ("grad_out", "rows", "norm_weight", "cos", "sin", "cuc",
@@ -110,8 +110,9 @@ def launch_store(rows, cu_seqlens_comp, num_tokens: int, cu_seqlens, start_pos, 
         return False
     if cache_format == "fp8_ds_mla" and cache.shape[1] % _DS_MLA_PAGE_ALIGN:
         return False  # pages the kernel's 4- and 8-byte stores cannot address aligned
-    tensors = (rows, norm_weight, cos, sin, cu_seqlens, start_pos, slots, cu_seqlens_comp,
-               block_table, cache)
+    # The kernel places the rows as the extend kernel did, from cu_seqlens and start_pos
+    # (before its PDL wait): it does not read cu_seqlens_comp.
+    tensors = (rows, norm_weight, cos, sin, cu_seqlens, start_pos, slots, block_table, cache)
     signature = dispatch.signature(tensors, Direction.STORE, float(eps), rope_dim, rotate,
                                    cache_format, page_size, ratio, num_tokens, num_slots)
 

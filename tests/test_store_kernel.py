@@ -58,9 +58,19 @@ def test_every_configuration_compiles_and_pins_its_rounding(config, arch):
     # Everything in registers and shared memory; the PDL wait before the first access.
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "griddepcontrol.wait" in ptx
+    assert_lookups_before_the_wait(ptx)
     fmt = config[0]
     conversions = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx))
     assert (conversions > 0) == (fmt in ("fp8_ds_mla", "fp8_block128"))
+
+
+def assert_lookups_before_the_wait(ptx: str) -> None:
+    """The row's lookups (32-bit index loads) are issued before the PDL wait, while the
+    pooling kernel runs; the pooled row is read after it."""
+    body = ptx[ptx.index(".entry"):]
+    wait = body.index("griddepcontrol.wait")
+    assert re.search(r"ld\.global(\.\w+)*\.b32", body[:wait])
+    assert re.search(r"ld\.global", body[wait:])
 
 
 TRAINING = (  # dtype, weight dtype, head_dim, rope_dim, rotate, position_offset
@@ -86,6 +96,8 @@ def test_training_kernels_compile_and_pin_their_rounding(config, arch, direction
     assert ".ftz" not in ptx and "approx" not in ptx and ptx.count("sqrt.rn.f32") == 1
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert "griddepcontrol.wait" in ptx
+    if direction is Direction.EPILOGUE:
+        assert_lookups_before_the_wait(ptx)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

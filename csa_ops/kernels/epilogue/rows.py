@@ -208,15 +208,15 @@ class RowEpilogue:
                     rSin[k] = sin[pair]
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of a CTA: the row's fp32 buffer (row_of_cta), then what
+        """Dynamic shared memory of a CTA: the row's fp32 buffer (cta), then what
         the kernel allocates after it (each buffer with its alignment's slack)."""
         return self.D * 4 + 16
 
     @cute.jit
-    def row_of_cta(self):
+    def cta(self):
         """(thread, CTA, the row's fp32 shared-memory buffer, the allocator of the rest of
-        smem_bytes) after the PDL wait for the pooling kernel."""
-        cm.await_upstream(self.pdl)
+        smem_bytes). Before the PDL wait for the pooling kernel (common.await_upstream),
+        which each kernel places before its first read of what that kernel writes."""
         tid, _, _ = cute.arch.thread_idx()
         n, _, _ = cute.arch.block_idx()
         smem = SmemAllocator()

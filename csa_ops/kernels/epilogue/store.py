@@ -5,7 +5,9 @@ The formats' scales and codes come from the reference's exact bit operations
 (shared/formats.py), so a stored row is bitwise the composition's. One CTA per row of the
 call's output capacity; rows past cu_seqlens_comp[-1], rows of invalid requests and rows
 whose block-table entry is out of range write nothing. The kernel runs after the extend
-kernel in the same stream (PDL: it waits for it before any access).
+kernel in the same stream (PDL): it finds each row's request, position and cache row from
+the call's inputs while the extend kernel runs, and waits for it only before reading the
+row.
 """
 
 from __future__ import annotations
@@ -153,32 +155,58 @@ class RowEpilogueStore(RowEpilogue):
 
     # ------------------------------------------------------------ the kernel
     def smem_bytes(self) -> int:
-        return super().smem_bytes() + 4 * (self.T // 32) + 4  # count_le_cta's warp sums
+        # Batch.scan's warp sums, the found request and its first row (with slack).
+        return super().smem_bytes() + 4 * (self.T // 32) + 4 + 8 + 4
 
     @cute.jit
-    def target(self, p_cu, p_start, p_slots, p_cuc, p_table, p_cos, p_sin, angles,
-               n: Int32, num_requests: Int32, num_tokens: Int32, num_slots: Int32,
-               table_rows: Int32, table_width: Int32, num_pages: Int32, page_size: Int32,
-               ratio: Int32, tid: Int32, sWarps: cute.Tensor):
+    def request_of_row(self, cu, starts, n: Int32, num_requests: Int32, ratio: Int32,
+                       tid: Int32, sWarps: cute.Tensor, sFound: cute.Tensor):
+        """(i, first row of i) of the request whose rows hold output row n, i = -1 where
+        none does (n at or past the batch's rows). From the extend kernels' own row counts
+        and scan (shared/requests.Batch), so the rows are placed as the extend kernel placed
+        them, without its cu_seqlens_comp, which exists only once it has run."""
+        batch = requests.Batch(ratio, self.T)
+        held = batch.run_counts(cu, starts, num_requests, tid)
+        if tid == 0:
+            sFound[0] = Int32(-1)  # published by scan's barrier
+        b_lo, b_hi, running, _ = batch.scan(cu, starts, num_requests, tid, sWarps, held)
+        batch.place(cu, starts, num_requests, b_lo, b_hi, running, held,
+                    lambda b, first, rows: self.mark_if_holds(sFound, b, first, rows, n))
+        cute.arch.sync_threads()
+        return sFound[0], sFound[1]
+
+    @cute.jit
+    def mark_if_holds(self, sFound: cute.Tensor, b, first, rows, n):
+        """Batch.place's visit: request b (rows [first, first + rows)) into sFound if it
+        holds row n. Exactly one request does where n is below the batch's rows (offsets
+        saturate: shared/requests.py)."""
+        if Int64(first) <= Int64(n) and Int64(n) < Int64(first) + Int64(rows):
+            sFound[0] = b
+            sFound[1] = first
+
+    @cute.jit
+    def target(self, p_cu, p_start, p_slots, p_table, p_cos, p_sin, angles, n: Int32,
+               num_requests: Int32, num_tokens: Int32, num_slots: Int32, table_rows: Int32,
+               table_width: Int32, num_pages: Int32, page_size: Int32, ratio: Int32,
+               tid: Int32, sWarps: cute.Tensor, sFound: cute.Tensor):
         """(writes, cache row) of output row n, its RoPE angles loaded into ``angles``:
-        its request i (cuc[i] <= n < cuc[i+1]), compressed row q = start_pos[i] // ratio +
-        n - cuc[i] at position q * ratio, cache row block_table[i, q // page_size] *
-        page_size + q % page_size. It writes when n < cuc[-1], the request is valid (as the
-        extend kernels judge it) and the block-table entry is in range. Every load is in
-        bounds for any contents; the angles' and the page's loads are in flight together."""
-        cuc = cute.make_tensor(p_cuc, num_requests + 1)
-        # cu_seqlens_comp comes from the extend kernel: sorted, from 0. So i < num_requests
-        # exactly when n < cuc[-1], and i >= 0 always (checked all the same).
-        i = cm.count_le_cta(cuc, num_requests + 1, n, tid, self.T, sWarps) - 1
+        its request i, compressed row q = start_pos[i] // ratio + n - (i's first row) at
+        position q * ratio, cache row block_table[i, q // page_size] * page_size +
+        q % page_size. It writes when a request's rows hold n, the request is valid (as the
+        extend kernels judge it) and the block-table entry is in range. Reads only the
+        call's inputs, none of which the extend kernel writes, so it runs before the PDL
+        wait, while the extend kernel runs. Every load is in bounds for any contents."""
+        cu = cute.make_tensor(p_cu, num_requests + 1)
+        starts = cute.make_tensor(p_start, num_requests)
+        i, first = self.request_of_row(cu, starts, n, num_requests, ratio, tid, sWarps,
+                                       sFound)
         writes = Boolean(False)
         cache_row = Int64(0)
-        if i >= 0 and i < num_requests:  # noqa: PLR1716
+        if i >= 0:
             valid, _, start, _, _ = requests.request_of(
-                cute.make_tensor(p_cu, num_requests + 1),
-                cute.make_tensor(p_start, num_requests),
-                cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
+                cu, starts, cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
             if valid:
-                q = Int64(start // ratio) + Int64(n) - Int64(cuc[i])
+                q = Int64(start // ratio) + Int64(n) - Int64(first)
                 self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
                 column = q // Int64(page_size)
                 if column < Int64(table_width):
@@ -190,21 +218,26 @@ class RowEpilogueStore(RowEpilogue):
         return writes, cache_row
 
     @cute.kernel
-    def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_cuc, p_table,
+    def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_table,
                p_cache, num_rows: Int32, num_requests: Int32, num_tokens: Int32,
                num_slots: Int32, table_rows: Int32, table_width: Int32, num_pages: Int32,
                page_size: Int32, page_bytes: Int32, ratio: Int32):
-        tid, n, sRow, smem = self.row_of_cta()
+        tid, n, sRow, smem = self.cta()
         sWarps = smem.allocate_tensor(Int32, cute.make_layout(max(self.T // 32, 1)), 4)
-        # The row and the weight need no lookup: their loads fly during the row's.
-        rX = self.load_row(p_rows, n, tid)
+        sFound = smem.allocate_tensor(Int32, cute.make_layout(2), 8)
+        # Everything but the row comes from the call's inputs: looked up while the extend
+        # kernel runs (a decode step's time is this chain of dependent loads).
         rWeight = self.load_weight(p_weight, tid)
         angles = self.angle_registers()
         writes, cache_row = self.target(
-            p_cu, p_start, p_slots, p_cuc, p_table, p_cos, p_sin, angles, n, num_requests,
+            p_cu, p_start, p_slots, p_table, p_cos, p_sin, angles, n, num_requests,
             num_tokens, num_slots, table_rows, table_width, num_pages, page_size, ratio, tid,
-            sWarps)
+            sWarps, sFound)
+        # Every CTA waits, writer or not: the grid must complete after the extend kernel,
+        # so that a grid waiting on this one sees the extend kernel's state writes too.
+        cm.await_upstream(self.pdl)
         if writes:  # the same for every thread of the CTA
+            rX = self.load_row(p_rows, n, tid)
             self.finish_row(rX, rWeight, angles, sRow, tid)
             # Strided to contiguous through shared memory.
             for k in cutlass.range_constexpr(self.V):
@@ -238,13 +271,14 @@ class RowEpilogueStore(RowEpilogue):
     @cute.jit
     def __call__(self, p_rows: cute.Pointer, p_weight: cute.Pointer, p_cos: cute.Pointer,
                  p_sin: cute.Pointer, p_cu: cute.Pointer, p_start: cute.Pointer,
-                 p_slots: cute.Pointer, p_cuc: cute.Pointer, p_table: cute.Pointer,
+                 p_slots: cute.Pointer, p_table: cute.Pointer,
                  p_cache: cute.Pointer, num_rows: Int32, num_requests: Int32,
                  num_tokens: Int32, num_slots: Int32, table_rows: Int32, table_width: Int32,
                  num_pages: Int32, page_size: Int32, page_bytes: Int32, ratio: Int32,
                  grid: Int32, stream: cuda.CUstream):
-        self.kernel(p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_cuc, p_table,
+        self.kernel(p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_table,
                     p_cache, num_rows, num_requests, num_tokens, num_slots, table_rows,
                     table_width, num_pages, page_size, page_bytes, ratio).launch(
             grid=(grid, 1, 1), block=(self.T, 1, 1), smem=self.smem_bytes(), stream=stream,
             use_pdl=self.pdl)
+

@@ -4,7 +4,8 @@ steps of rows.py at the row's training position, written packed in the row dtype
 Row b of sequence s (cu_seqlens_comp[s] <= n < cu_seqlens_comp[s + 1]) sits at position
 b * ratio plus position_offset[s] when the key has offsets; rows past cu_seqlens_comp[-1]
 are padding and written as zeros, as the reference's. The kernel runs after the pooling
-forward in the same stream (PDL: it waits for it before any access).
+forward in the same stream (PDL): it looks up each row's position while the pooling kernel
+runs (cu_seqlens_comp is an input of both), and waits for it before reading the row.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ class RowEpilogueRows(RowEpilogue):
     @cute.kernel
     def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_out, num_rows: Int32,
                num_segs: Int32, table_rows: Int32, ratio: Int32):
-        tid, n, sRow, _ = self.row_of_cta()
-        # The row and the weight need no lookup: their loads fly during the row's.
-        rX = self.load_row(p_rows, n, tid)
+        tid, n, sRow, _ = self.cta()
+        # The weight, the row's position and its angles come from the call's inputs, which
+        # the pooling kernel does not write: looked up while it runs.
         rWeight = self.load_weight(p_weight, tid)
         angles = self.angle_registers()
         valid, position = self.position(p_cuc, p_offset, n, num_segs, ratio)
         if valid:  # the same for every thread of the CTA
             self.load_angles(angles, p_cos, p_sin, position, table_rows, tid)
+        cm.await_upstream(self.pdl)
+        rX = self.load_row(p_rows, n, tid)
+        if valid:
             self.finish_row(rX, rWeight, angles, sRow, tid)
         out = cute.make_tensor(p_out + Int64(n) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
@@ -130,7 +134,8 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
     def kernel(self, p_grad, p_rows, p_weight, p_cos, p_sin, p_cuc, p_offset, p_grad_rows,
                p_partials, num_rows: Int32, num_segs: Int32, table_rows: Int32, ratio: Int32,
                rows_per_cta: Int32):
-        tid, cta, sRow, smem = self.row_of_cta()
+        cm.await_upstream(self.pdl)
+        tid, cta, sRow, smem = self.cta()
         sPosition = smem.allocate_tensor(Int64, cute.make_layout(self.T), 8)
         sValid = smem.allocate_tensor(Int32, cute.make_layout(self.T), 4)
         rWeight = self.load_weight(p_weight, tid)

@@ -593,20 +593,27 @@ class StreamingKernel:
         (torch_order.py). Lane j computes the terms k = j + 32 i of the window; each chain
         of torch's sums is then one lane's loop over the terms in the warp's scratch."""
         sw = tiles.scratch[(None, cvw)]
-        e = []
-        kv = []
-        for i in cutlass.range_constexpr(self.window_padded // 32):
+        terms = self.window_padded // 32
+        # Every entry's loads first, then the arithmetic: the loads are in flight together
+        # instead of each exponential waiting for its own.
+        oks, logits, values = [], [], []
+        for i in cutlass.range_constexpr(terms):
             k = i * 32 + lane
             ok = k < self.window
             if const_expr(masked):
                 ok = self._entry_ok(k, t0, fl, num_tokens)
             ph = self._phys(cvw, k)
-            logit = self._logit_reader(tiles, st, ph, k, cvw)(v)
-            value = self._load_f32(tiles.tile[(None, ph, k, 1, st)])[v]
+            oks.append(ok)
+            logits.append(self._logit_reader(tiles, st, ph, k, cvw)(v))
+            values.append(self._load_f32(tiles.tile[(None, ph, k, 1, st)])[v])
+        e = []
+        kv = []
+        for i in cutlass.range_constexpr(terms):
             # Missing entries hold -inf / 0 in torch's gathered tensors: e = 0, product +0.
-            e.append(cutlass.select_(ok, cm.exp_accurate(cm.sub_rn(logit, m)), Float32(0.0)))
-            kv.append(cutlass.select_(ok, value, Float32(0.0)))
-            sw[k] = e[i]
+            e.append(cutlass.select_(oks[i], cm.exp_accurate(cm.sub_rn(logits[i], m)),
+                                     Float32(0.0)))
+            kv.append(cutlass.select_(oks[i], values[i], Float32(0.0)))
+            sw[i * 32 + lane] = e[i]
         cute.arch.sync_warp()
         s = self._tree(self._chains(sw, self.soft_chains, lane), self.soft_chains)
         cute.arch.sync_warp()  # every chain has read e
