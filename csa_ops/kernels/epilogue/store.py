@@ -34,6 +34,11 @@ from ..shared import requests
 from .plan import EpilogueKey
 from .rows import RowEpilogue, doublings
 
+# Requests whose row counts a CTA loads in one round trip, where its threads can hold them
+# (at most 8 each): a narrow row's CTA (32 threads at d128) would otherwise scan a decode
+# batch of 256 in four trips, and place its rows in four more.
+LOOKUP_REQUESTS = 256
+
 
 class RowEpilogueStore(RowEpilogue):
     """Serving: the epilogue of the extend kernel's rows, encoded and stored into a paged
@@ -165,7 +170,8 @@ class RowEpilogueStore(RowEpilogue):
         none does (n at or past the batch's rows). From the extend kernels' own row counts
         and scan (shared/requests.Batch), so the rows are placed as the extend kernel placed
         them, without its cu_seqlens_comp, which exists only once it has run."""
-        batch = requests.Batch(ratio, self.T)
+        batch = requests.Batch(ratio, self.T, max(requests.COUNTS_AHEAD,
+                                                  min(8, LOOKUP_REQUESTS // self.T)))
         held = batch.run_counts(cu, starts, num_requests, tid)
         if tid == 0:
             sFound[0] = Int32(-1)  # published by scan's barrier

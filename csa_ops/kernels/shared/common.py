@@ -127,29 +127,6 @@ def count_le(arr: cute.Tensor, count: Int32, value: Int32) -> Int32:
 
 
 @cute.jit
-def count_le_cta(arr: cute.Tensor, count: Int32, value: Int32, tid: Int32,
-                 threads: cutlass.Constexpr[int], sWarps: cute.Tensor) -> Int32:
-    """count_le(arr, count, value) by a CTA of ``threads`` threads (whole warps) at once,
-    for every thread: thread t tests arr[t], arr[t + threads], ..., a warp adds its tests
-    by one reduction and the warps' sums meet in shared memory (sWarps: threads // 32
-    int32, written once). Equal to count_le wherever arr is sorted; one round trip to
-    memory where the binary search takes one per halving."""
-    mine = Int32(0)
-    for j in cutlass.range(tid, count, threads, unroll=4):
-        mine = mine + cutlass.select_(arr[j] <= value, Int32(1), Int32(0))
-    # A CTA of fewer than 32 threads is one partial warp: its lanes alone take part.
-    total = cute.arch.warp_redux_sync(mine, "add", (1 << min(threads, 32)) - 1)
-    if cutlass.const_expr(threads > 32):
-        if tid % 32 == 0:
-            sWarps[tid // 32] = total
-        cute.arch.sync_threads()
-        total = sWarps[0]
-        for w in cutlass.range_constexpr(1, threads // 32):
-            total = total + sWarps[w]
-    return total
-
-
-@cute.jit
 def locate_row(
     cu: cute.Tensor,
     cuc: cute.Tensor,

@@ -20,7 +20,7 @@ INT32_MAX, so every row of the output has one request (or none), whichever way i
 from __future__ import annotations
 
 import cutlass
-from cutlass import Int32, Int64, cute
+from cutlass import Int32, Int64, Uint32, cute
 
 INT32_MAX = 2**31 - 1
 # Requests whose row counts' loads a thread issues at once (load_counts): two take a
@@ -66,13 +66,24 @@ def request_of(cu, starts, slots, b, num_tokens, num_slots):
 class Batch:
     """The requests of one extend call, seen from a CTA of `threads` threads (whole warps)."""
 
-    def __init__(self, ratio: int, threads: int) -> None:
+    def __init__(self, ratio, threads: int, ahead: int = COUNTS_AHEAD) -> None:
+        """`ratio`: a compile-time int (the extend kernels) or a run-time Int32 (the store
+        kernel); `ahead`: requests whose row counts' loads a thread issues at once."""
         self.r = ratio
         self.nt = threads
         self.warps = threads // 32
+        self.ahead = ahead
 
     def count(self, start, length):
         """A request's rows as the reference counts them (int64, truncated to int32)."""
+        if cutlass.const_expr(not isinstance(self.r, int)):
+            # Both terms lie in [0, 2**31), so their sum fits uint32 and 32-bit unsigned
+            # division is exact: a run-time divisor costs a few instructions, not a
+            # 64-bit division's call.
+            p = Uint32(cutlass.max(start, Int32(0)))
+            n = Uint32(cutlass.max(length, Int32(0)))
+            r = Uint32(self.r)
+            return Int32((p + n) // r - p // r)
         p = Int64(cutlass.max(start, Int32(0)))
         n = Int64(cutlass.max(length, Int32(0)))
         return Int32((p + n) // self.r - p // self.r)
@@ -92,7 +103,7 @@ class Batch:
 
     def counts(self):
         """Registers for load_counts."""
-        return cute.make_rmem_tensor((3, COUNTS_AHEAD), Int32)
+        return cute.make_rmem_tensor((3, self.ahead), Int32)
 
     def run_counts(self, cu, starts, num_reqs, tid):
         """load_counts of the first requests of thread tid's run: scan's and place's
@@ -111,13 +122,13 @@ class Batch:
     @cute.jit
     def load_counts(self, held, cu, starts, num_reqs, first, stride):
         """Loads into `held` (counts()) the row counts' inputs (start, first token, end
-        token) of requests first + i * stride, i < COUNTS_AHEAD, every load issued before
+        token) of requests first + i * stride, i < self.ahead, every load issued before
         any is used: one round trip for all of them, where a loop over requests takes one
         each. A request past the batch loads its last one (in bounds; held_rows drops it);
         an empty batch loads nothing. Kernels issue the loads of a thread's first requests
         ahead of their other work."""
         if num_reqs > 0:
-            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+            for i in cutlass.range_constexpr(self.ahead):
                 b = cutlass.min(first + i * stride, num_reqs - 1)
                 held[0, i] = starts[b]
                 held[1, i] = cu[b]
@@ -140,10 +151,10 @@ class Batch:
         barrier; sWarp holds one int32 per warp."""
         b_lo, b_hi = self.run_of(num_reqs, tid)
         local = Int64(0)
-        for b0 in cutlass.range(b_lo, b_hi, COUNTS_AHEAD, unroll=1):
+        for b0 in cutlass.range(b_lo, b_hi, self.ahead, unroll=1):
             if b0 != b_lo:
                 self.load_counts(held, cu, starts, num_reqs, b0, 1)
-            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+            for i in cutlass.range_constexpr(self.ahead):
                 local = local + Int64(self.held_rows(held, i, b0 + i < b_hi))
         lane = tid % 32
         incl = warp_prefix(saturated(local), lane)
@@ -166,11 +177,11 @@ class Batch:
         b_hi), its first row `running`), in order; the rows saturate as scan's do. A run of
         one chunk finds its counts' inputs in `held`, where scan left them; a longer one
         loads them again, a chunk per round trip."""
-        reload = b_hi - b_lo > COUNTS_AHEAD
-        for b0 in cutlass.range(b_lo, b_hi, COUNTS_AHEAD, unroll=1):
+        reload = b_hi - b_lo > self.ahead
+        for b0 in cutlass.range(b_lo, b_hi, self.ahead, unroll=1):
             if reload:
                 self.load_counts(held, cu, starts, num_reqs, b0, 1)
-            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+            for i in cutlass.range_constexpr(self.ahead):
                 if b0 + i < b_hi:
                     rows = self.held_count(held, i)
                     visit(b0 + i, running, rows)
@@ -181,10 +192,10 @@ class Batch:
         """visit(b, rows) for the requests b = tid, tid + threads, ... of the batch, a chunk
         per round trip (`held`: the first chunk, strided_counts'); b may pass the batch,
         with rows 0."""
-        for b0 in cutlass.range(tid, num_reqs, COUNTS_AHEAD * self.nt, unroll=1):
+        for b0 in cutlass.range(tid, num_reqs, self.ahead * self.nt, unroll=1):
             if b0 != tid:
                 self.load_counts(held, cu, starts, num_reqs, b0, self.nt)
-            for i in cutlass.range_constexpr(COUNTS_AHEAD):
+            for i in cutlass.range_constexpr(self.ahead):
                 b = b0 + i * self.nt
                 visit(b, self.held_rows(held, i, b < num_reqs))
 
