@@ -15,6 +15,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 
 from ..shared import common as cm
+from ..shared import segments
 from ..shared.reduce import launch_sum_parts
 from .plan import EpilogueKey
 from .rows import RowEpilogue
@@ -33,17 +34,16 @@ class RowEpilogueRows(RowEpilogue):
     @cute.jit
     def position(self, p_cuc, p_offset, n: Int32, num_segs: Int32, ratio: Int32):
         """(valid, position) of output row n: valid below cu_seqlens_comp[-1] (with no
-        segment too, at position 0, as the reference's); the segment search clamps as the
-        reference's lookup does, so every load is in bounds for any offsets' contents."""
+        segment too, at position 0, as the reference's), its segment the reference's
+        (segments.lookup_row: every load in bounds for any offsets' contents)."""
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
+        row = segments.lookup_row(None, cuc, num_segs, n)
         valid = n < cuc[num_segs]
         position = Int64(0)
-        if valid and num_segs > 0:
-            s = cm.count_le(cuc, num_segs + 1, n) - 1
-            s = cutlass.min(cutlass.max(s, Int32(0)), num_segs - 1)
-            position = (Int64(n) - Int64(cuc[s])) * Int64(ratio)
+        if row.real:
+            position = (Int64(n) - Int64(row.row_begin)) * Int64(ratio)
             if cutlass.const_expr(self.offsets):
-                position = position + Int64(cute.make_tensor(p_offset, num_segs)[s])
+                position = position + Int64(cute.make_tensor(p_offset, num_segs)[row.segment])
         return valid, position
 
     @cute.kernel

@@ -1,15 +1,13 @@
 """Device helpers shared by the compressor kernel families (CuTe DSL, arch-generic).
 
-Segment lookups clamp every index they load, so no content of cu_seqlens / cu_seqlens_comp
-(non-monotonic, negative, past the token count) can move an access out of bounds. Float
-helpers pin IEEE round-to-nearest per operation: the kernels must reproduce the reference
+Float helpers pin IEEE round-to-nearest per operation: the kernels must reproduce the reference
 bit for bit, and an FMA contracted by the compiler would change the rounding.
 """
 
 from __future__ import annotations
 
 import cutlass
-from cutlass import Boolean, Float32, Int32, Int64, cute
+from cutlass import Float32, Int32, cute
 from cutlass._mlir.dialects import llvm
 from cutlass._mlir_helpers.math import RoundingMode
 
@@ -106,113 +104,6 @@ def divide_into(rE: cute.Tensor, rP: cute.Tensor, s: Float32, n: cutlass.Constex
 def exp_accurate(x: Float32) -> Float32:
     # Lowers to libdevice expf (what torch.exp uses on CUDA), not ex2.approx.
     return cute.math.exp(x)
-
-
-@cute.jit
-def count_le(arr: cute.Tensor, count: Int32, value: Int32) -> Int32:
-    """Binary search: how many of arr[0:count] are <= value (arr sorted ascending).
-
-    Every probe index lies in [0, count), whatever the contents of arr.
-    """
-    lo = Int32(0)
-    n = count
-    while n > 0:
-        half = n // 2
-        if arr[lo + half] <= value:
-            lo = lo + half + 1
-            n = n - half - 1
-        else:
-            n = half
-    return lo
-
-
-@cute.jit
-def locate_row(
-    cu: cute.Tensor,
-    cuc: cute.Tensor,
-    num_segs: Int32,
-    num_tokens: Int32,
-    n: Int32,
-    ratio: cutlass.Constexpr[int],
-):
-    """(valid, t0, first_block, s, u0, u1) of output row n.
-
-    valid needs n inside its segment's row range and the row's `ratio` tokens inside both
-    the segment and [0, num_tokens); t0 is then the row's first own token. s >= 0 and
-    u0 >= 0 whenever (u0, u1) = (cu[s], cu[s+1]) were read; else s = -1.
-    """
-    s = count_le(cuc, num_segs, n) - 1
-    valid = Boolean(False)
-    t0 = Int32(0)
-    first = Boolean(False)
-    u0 = Int32(0)
-    u1 = Int32(0)
-    seg = Int32(-1)
-    if s >= 0:
-        c0 = cuc[s]
-        c1 = cuc[s + 1]
-        u0 = cu[s]
-        u1 = cu[s + 1]
-        if u0 >= 0:
-            seg = s
-        if c0 <= n and n < c1 and u0 >= 0:  # noqa: PLR1716  (DSL: no chained compares)
-            block = Int64(n) - Int64(c0)
-            end = Int64(u0) + (block + 1) * ratio
-            if end <= Int64(u1) and end <= Int64(num_tokens):
-                valid = Boolean(True)
-                t0 = Int32(end - ratio)
-                first = block == 0
-    return valid, t0, first, seg, u0, u1
-
-
-@cute.jit
-def segment_bounds(
-    cuc: cute.Tensor,
-    s: Int32,
-    u0: Int32,
-    u1: Int32,
-    num_tokens: Int32,
-    num_rows: Int32,
-    ratio: cutlass.Constexpr[int],
-):
-    """(seg_end, own_from, prev_from) of segment s with tokens [u0, u1), u0 >= 0.
-
-    Tokens t in [u0, seg_end) feed no row with their own-block columns iff t >= own_from,
-    and none with their previous-half columns (coff 2) iff t >= prev_from. The exact
-    mirror of locate_row: rows need c0 <= n < min(c1, num_rows) and whole blocks in
-    [u0, min(u1, num_tokens)).
-    """
-    end = cutlass.min(u1, num_tokens)
-    c0 = Int64(cuc[s])
-    blocks = cutlass.min(Int64(cuc[s + 1]) - c0, Int64((end - u0) // ratio))
-    blocks = cutlass.min(blocks, Int64(num_rows) - c0)
-    blocks = cutlass.max(blocks, Int64(0))
-    own_from = u0 + Int32(blocks) * ratio
-    return end, own_from, own_from - ratio
-
-
-@cute.jit
-def token_bounds(
-    cu: cute.Tensor,
-    cuc: cute.Tensor,
-    num_segs: Int32,
-    num_tokens: Int32,
-    num_rows: Int32,
-    t: Int32,
-    ratio: cutlass.Constexpr[int],
-):
-    """segment_bounds of token t's segment (binary search); (t + 1, t, t) outside all."""
-    seg_end = t + 1
-    own_from = t
-    prev_from = t
-    s = count_le(cu, num_segs, t) - 1
-    if s >= 0:
-        u0 = cu[s]
-        u1 = cu[s + 1]
-        if u0 >= 0 and u0 <= t and t < u1:  # noqa: PLR1716
-            seg_end, own_from, prev_from = segment_bounds(
-                cuc, s, u0, u1, num_tokens, num_rows, ratio)
-    return seg_end, own_from, prev_from
 
 
 @cute.jit

@@ -2,7 +2,7 @@
 family's forward, backward and extend kernels share.
 
 `g` is a kernel's geometry (W window entries, `entries[k][3]` true for entries of block b-1,
-V columns per thread, the output dtype, the certificate's constants). A column is given by
+V columns per thread, the output dtype, its certificate). A column is given by
 logit(k) and value(k), the fp32 logit and value of window entry k; `first` marks a
 segment's first block, whose entries of block b-1 are the reference's constants (logit
 -inf, value 0). Everything here is traced inline.
@@ -15,6 +15,7 @@ import math
 import cutlass
 from cutlass import Float32, cute
 
+from . import certificate
 from . import common as cm
 
 
@@ -60,47 +61,33 @@ def pool_exact(g, p, v):
     return cm.torch_sum([cm.mul_rn(p[k], v[k]) for k in range(g.W)])
 
 
-def pool_fast(g, logits, m, value, first):
-    """(output column, certified): sum(e_k * v_k) / sum(e_k) with e_k = 2**x_k by
-    ex2.approx, x_k = (l_k - m) * log2(e) - shift: about half the exact path's instructions
-    (the forward is issue-bound at every shape).
-
-    Certified means the result provably rounds to the exact path's output dtype value or
-    a neighbour of it: the two fp32 results differ by at most
-        u * ((4W + 40) * sum(e|v|) + 6 * sum(e|v||l - m|)) / s + 2**-126 * sum(|v|) / s
-    (u = 2**-24: the exact path's expf, sums, division and products, ex2.approx's 2**-21
-    and its argument's rounding, which grows with |l - m|, and the flush of tiny e); below
-    one output step (at least 2**-p |out| for p significand bits) they cannot straddle two
-    rounding boundaries. Columns that cancel (|out| far below sum(p|v|)), and any NaN or
-    infinity, fail the test and take the exact path.
-    """
+def pool_fast(g, logits, m, value):
+    """(output column, certified): sum(e_k * v_k) / sum(e_k) with e_k by ex2.approx
+    (certificate.fast_exp): about half the exact path's instructions (the forward is
+    issue-bound at every shape). Certified (g.certificate, shared/certificate.py) means the
+    result provably rounds to the exact path's output dtype value or a neighbour of it;
+    columns that cancel (|out| far below sum(p|v|)), and any NaN or infinity, fail the test
+    and take the exact path. Block b-1's entries of a first block (logit -inf, value 0)
+    add nothing to any sum."""
+    m_scaled = certificate.scaled_max(m, g.shift)
     s = Float32(0.0)
     acc = Float32(0.0)
     mag = Float32(0.0)
-    mag_d = Float32(0.0)
     vsum = Float32(0.0)
     for k in range(g.W):
-        d = cm.sub_rn(logits[k], m)
-        e = cute.math.exp2(d * cm.LOG2E - g.shift, fastmath=True)
+        e = certificate.fast_exp(logits[k], m_scaled)
         v = value(k)
-        t = e * cute.math.absf(v)
         s = s + e
         acc = acc + e * v
-        mag = mag + t
-        if g.entries[k][3]:  # invalid entries: d = -inf, e = 0, v = 0
-            mag_d = mag_d + cm.pick(first, Float32(0.0), t * cute.math.absf(d))
-        else:
-            mag_d = mag_d + t * cute.math.absf(d)
+        mag = mag + e * cute.math.absf(v)
         vsum = vsum + cute.math.absf(v)
-    bound = g.cert_mag * mag + g.cert_mag_d * mag_d + g.cert_flush * vsum
-    certified = (cute.math.absf(acc) >= bound) & (bound < Float32(float("inf")))
-    return acc / s, certified
+    return acc / s, g.certificate.holds(acc, mag, vsum)
 
 
 def column_fast(g, logit, value, first):
     """pool_fast of one column."""
     logits, m = window_logits(g, logit, first)
-    return pool_fast(g, logits, m, value, first)
+    return pool_fast(g, logits, m, value)
 
 
 def column_exact(g, logit, value, first):

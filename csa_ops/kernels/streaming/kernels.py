@@ -24,7 +24,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from ...config import TYPES, KernelKey
 from ..shared import common as cm
-from ..shared import softmax, torch_order
+from ..shared import certificate, segments, softmax, torch_order
+from ..shared.certificate import Certificate
 from ..shared.reduce import launch_sum_parts
 from .plan import MAX_ROWS, RED_KINDS
 from .rows import RowFlag, RowTensors, RowTiles, Thread, flat
@@ -66,39 +67,11 @@ class StreamingKernel:
         if self.parity:  # the exact columns' order, and the certificate that calls them
             self.soft_chains = torch_order.softmax_chains(self.window, self.head_dim)
             self.sum_split = torch_order.sum_split(self.window, self.head_dim)
-            self._certificate(key)
-
-    def _certificate(self, key: KernelKey) -> None:
-        """Constants of _row's certificate: a column is certified when
-            cert_m * sum(e|v|) + cert_v * sum(|v|) < cert_keep * |sum(e v)|.
-        To first order (u = 2**-24) the fast column and torch's lie within
-            u (3 sum(p|v||l - m|) + c_S sum(p|v|) + c_O |out|)
-        of each other. c_S: per entry, ex2.approx (2**-21) and the rounding of its argument
-        (|x| u, x = (l - m) log2(e) - shift) against expf (2 ulp), the division and the
-        product (the 14 counts 8 + 4 + 1 and one product; the other product's rounding is
-        the first add of a depth below); both sums' trees (depths kt + 4 + wpc and
-        torch_order.sum_depth, each counting its exact first add as a rounding). c_O: both
-        denominators' sums (torch's: up to W - 1 roundings), the final division and the
-        per-entry errors' weighted mean (sum p|l - m| <= ln W). The |l - m| term (the
-        arguments' roundings, both sides) costs no sum of its own: entries with |l - m| <=
-        D0 add at most 3 D0 sum(p|v|), the others at most 3 D0 e**-D0 sum|v| / s
-        (p|l - m| <= e**(l - m) |l - m| / s). ex2.approx.ftz flushes e below 2**-126: at most
-        2**-126 sum|v| on sum(e v). One output step is at least 2**-p |out| for p significand
-        bits; below it the two cannot round more than one step apart. The test asks for half
-        that (2**(p+1)) and 1.25 more for the second order: that margin also covers the
-        gradual underflow of products e v below 2**-126 (at most W**2 2**-150 / s, under
-        the smallest bf16 step). NaN and infinities fail the test."""
-        w, u, d0 = self.window, 2.0**-24, 4.0
-        depth_fast = self.entries_per_lane + 4 + self.warps_per_col
-        c_s = (14 + math.log(2) * self.shift + depth_fast + torch_order.sum_depth(w, self.head_dim)
-               + 3 * d0)
-        c_o = w + depth_fast + 16 + 3 * math.log(w) + 0.7 * self.shift
-        scale = 1.25 * 2.0 ** (TYPES[key.dtype].precision + 1)
-        # e is scaled by 2**-shift: the tail's e**(l - m) is 2**shift e.
-        self.cert_m = scale * u * c_s
-        self.cert_v = scale * (2.0**-126 + 3 * u * 2.0**-self.shift * d0 * math.exp(-d0))
-        self.cert_keep = 1 - scale * u * c_o
-        assert self.cert_keep > 0.5, "the certificate is meant for 16-bit outputs"
+            # The fast sums' deepest path: a lane's entries, then the lanes' and the
+            # warps' trees.
+            self.certificate = Certificate.for_column(
+                self.window, self.shift, self.entries_per_lane + 4 + self.warps_per_col,
+                torch_order.sum_depth(self.window, self.head_dim), TYPES[key.dtype].precision)
 
     # ---------------------------------------------------------------- small helpers
     def _phys(self, cv, k):
@@ -189,29 +162,14 @@ class StreamingKernel:
 
     @cute.jit
     def _row_info(self, n, mCu, mCuc, num_tokens, num_segs):
-        """(first window token, flags) of row n; flag bit 0: a real row (n < cuc[-1]), bit 1:
-        its block has a previous block, bit 2: every window entry exists. Segment: how many
-        of cuc[1:] are <= n, as the reference searches; every index read lies inside the
-        offsets, so any content is safe."""
-        lo = Int32(0)
-        hi = num_segs
-        c_lo = mCuc[0]
-        u_lo = mCu[0]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            c = mCuc[mid + 1]
-            u = mCu[mid + 1]  # loaded beside cuc: the search is the only dependent chain
-            if c <= n:
-                lo = mid + 1
-                c_lo = c
-                u_lo = u
-            else:
-                hi = mid
-        # lo == num_segs only when n >= cuc[-1] (not a real row) for sorted offsets.
-        block = n - c_lo
-        t0 = Int64(u_lo) + Int64(block) * self.ratio - (self.coff - 1) * self.ratio
+        """(first window token, flags) of row n (RowFlag: REAL, PREVIOUS, FULL), from its
+        segment as the reference finds it (segments.lookup_row)."""
+        row = segments.lookup_row(mCu, mCuc, num_segs, n)
+        block = n - row.row_begin
+        t0 = (Int64(row.token_begin) + Int64(block) * self.ratio
+              - (self.coff - 1) * self.ratio)
         t0 = cutlass.max(cutlass.min(t0, Int64(num_tokens) + 1), Int64(-self.window - 1))
-        real = n < mCuc[num_segs] and num_segs > 0
+        real = row.real
         full = real and t0 >= 0 and t0 + self.window <= num_tokens and (self.coff == 1 or block > 0)
         fl = (Int32(real) * RowFlag.REAL + Int32(block > 0) * RowFlag.PREVIOUS
               + Int32(full) * RowFlag.FULL)
@@ -490,14 +448,14 @@ class StreamingKernel:
         m_c = self._cross(self._scatter(mloc, lane, True), sRed, 0, lane, cvw, wp, col, True)
         m_max = m_c
         if const_expr(self.fast_exp):
-            m_c = m_c * cm.LOG2E + self.shift
+            m_c = certificate.scaled_max(m_c, self.shift)
         m = self._gather(m_c)
         sloc = cute.make_rmem_tensor((VEC,), Float32)
         aloc = cute.make_rmem_tensor((VEC,), Float32)
         sloc.fill(0.0)
         aloc.fill(0.0)
         cert = self.parity == 1
-        # The certificate's sums (see _certificate): e|v| and |v| per column.
+        # The certificate's sums (shared/certificate.py): e|v| and |v| per column.
         mag = cute.make_rmem_tensor((VEC,), Float32)
         vsum = cute.make_rmem_tensor((VEC,), Float32)
         mag.fill(0.0)
@@ -511,10 +469,7 @@ class StreamingKernel:
             for v in cutlass.range_constexpr(VEC):
                 e = zero
                 if const_expr(self.fast_exp):
-                    # One pinned rounding, the certificate's (an unfused mul would round
-                    # l * log2(e), an error that grows with |l| rather than |l - m|).
-                    e = cute.math.exp2(cm.fma_rn(lg[i * VEC + v], Float32(cm.LOG2E), -m[v]),
-                                       fastmath=True)
+                    e = certificate.fast_exp(lg[i * VEC + v], m[v])
                 else:
                     e = cute.math.exp(lg[i * VEC + v] - m[v]) * scale
                 lg[i * VEC + v] = e
@@ -544,9 +499,8 @@ class StreamingKernel:
                 if wp == 0 and colw < self.half_vectors:
                     fails = Int32(1)
                     if const_expr(cert):
-                        bound = self.cert_m * sums[2] + self.cert_v * sums[3]
-                        fails = cutlass.select_(
-                            bound < cute.math.absf(a_c) * self.cert_keep, Int32(0), Int32(1))
+                        fails = cutlass.select_(self.certificate.holds(a_c, sums[2], sums[3]),
+                                                Int32(0), Int32(1))
                     self._parity_columns(out, fails, self._gather(m_max), tiles, st, t0, fl,
                                          num_tokens, lane, cvw, masked)
             if lane == 0 and wp == 0 and colw < self.half_vectors:

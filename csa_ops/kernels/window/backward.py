@@ -12,6 +12,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
 from ..shared import common as cm
+from ..shared import segments
 from ..shared.reduce import launch_sum_parts
 from .plan import CTAS_PER_SM
 from .rows import WindowKernel
@@ -75,16 +76,16 @@ class WindowBackward(WindowKernel):
             own_from = t_first
             prev_from = t_first
             if s >= 0 and u0 <= t_first and t_first < u1:  # noqa: PLR1716
-                seg_end, own_from, prev_from = cm.segment_bounds(
+                seg_end, own_from, prev_from = segments.segment_bounds(
                     cuc, s, u0, u1, num_tokens, num_rows, self.R)
             else:
-                seg_end, own_from, prev_from = cm.token_bounds(
+                seg_end, own_from, prev_from = segments.token_bounds(
                     cu, cuc, num_segs, num_tokens, num_rows, t_first, self.R)
             for k in cutlass.range_constexpr(self.R):
                 t = t_first + k
                 if t < num_tokens:
                     if t >= seg_end:
-                        seg_end, own_from, prev_from = cm.token_bounds(
+                        seg_end, own_from, prev_from = segments.token_bounds(
                             cu, cuc, num_segs, num_tokens, num_rows, t, self.R)
                     base = Int64(t) * self.row_elems + cv * self.V
                     if t >= own_from:
@@ -166,7 +167,7 @@ class WindowBackward(WindowKernel):
                 u0 = Int32(0)
                 u1 = Int32(0)
                 if slot < num_rows:
-                    valid, t0, first, seg, u0, u1 = cm.locate_row(cu, cuc, num_segs,
+                    valid, t0, first, seg, u0, u1 = segments.locate_row(cu, cuc, num_segs,
                                                                   num_tokens, slot, self.R)
                     if valid:
                         self.row_grads(p_gout, p_kv, p_score, p_gkv, p_gs, sApe, sAcc, t0,

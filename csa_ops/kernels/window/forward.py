@@ -12,6 +12,7 @@ from cutlass import Float32, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
 from ..shared import common as cm
+from ..shared import segments
 from .rows import WindowKernel
 
 
@@ -36,7 +37,7 @@ class WindowForward(WindowKernel):
         valid = cutlass.Boolean(False)
         first = cutlass.Boolean(False)
         if active:
-            valid, t0, first, _, _, _ = cm.locate_row(cu, cuc, num_segs, num_tokens, n,
+            valid, t0, first, _, _, _ = segments.locate_row(cu, cuc, num_segs, num_tokens, n,
                                                       self.R)
             if valid:
                 # Issued before the ape barrier so the window's DRAM latency overlaps it.

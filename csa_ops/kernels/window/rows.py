@@ -9,7 +9,8 @@ from cutlass import Float32, Int64, cute
 
 from ...config import TYPES, KernelKey
 from ..shared import common as cm
-from ..shared import softmax
+from ..shared import softmax, torch_order
+from ..shared.certificate import Certificate
 from .plan import Geometry
 
 
@@ -26,12 +27,11 @@ class WindowKernel(Geometry):
         self.min_ctas, self.balance, self.pdl = knobs.min_ctas, knobs.balance, knobs.pdl
         self.linear, self.fast_exp = knobs.linear, knobs.fast_exp
         self.shift = softmax.exponent_shift(self.W)
-        # softmax.pool_fast's certificate: the error bound's coefficients over one output
-        # step (at least 2**-p |out| for p significand bits), with a factor 2 margin.
-        step = 2.0 ** (TYPES[key.dtype].precision + 1)
-        self.cert_mag = step * 2.0**-24 * (4 * self.W + 40)
-        self.cert_mag_d = step * 2.0**-24 * 6
-        self.cert_flush = step * 2.0**-126
+        if self.fast_exp:
+            # softmax.pool_fast's: a thread sums its column's entries in order.
+            self.certificate = Certificate.for_column(
+                self.W, self.shift, self.W, torch_order.sum_depth(self.W, self.D),
+                TYPES[key.dtype].precision)
         # Window entry k: (token offset from t0, column offset, ape offset, needs block b-1).
         self.entries = []
         for k in range(self.W):
