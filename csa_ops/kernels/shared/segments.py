@@ -88,7 +88,8 @@ def locate_row(
     valid = Boolean(False)
     t0 = Int32(0)
     first = Boolean(False)
-    if row.row_begin <= n and n < row.row_end and u0 >= 0:  # noqa: PLR1716  (DSL: no chained compares)
+    # The DSL has no chained compares.
+    if row.row_begin <= n and n < row.row_end and u0 >= 0:  # noqa: PLR1716
         block = Int64(n) - Int64(row.row_begin)
         end = Int64(u0) + (block + 1) * ratio
         if end <= Int64(u1) and end <= Int64(num_tokens):
