@@ -167,8 +167,8 @@ class WindowBackward(WindowKernel):
                 u0 = Int32(0)
                 u1 = Int32(0)
                 if slot < num_rows:
-                    valid, t0, first, seg, u0, u1 = segments.locate_row(cu, cuc, num_segs,
-                                                                  num_tokens, slot, self.R)
+                    valid, t0, first, seg, u0, u1 = segments.locate_row(
+                        cu, cuc, num_segs, num_tokens, slot, self.R)
                     if valid:
                         self.row_grads(p_gout, p_kv, p_score, p_gkv, p_gs, sApe, sAcc, t0,
                                        first, slot, cv, cvl, tid)

@@ -38,7 +38,7 @@ class WindowForward(WindowKernel):
         first = cutlass.Boolean(False)
         if active:
             valid, t0, first, _, _, _ = segments.locate_row(cu, cuc, num_segs, num_tokens, n,
-                                                      self.R)
+                                                            self.R)
             if valid:
                 # Issued before the ape barrier so the window's DRAM latency overlaps it.
                 self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
