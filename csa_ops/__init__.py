@@ -57,16 +57,19 @@ def precompile_extend(ratio: int, head_dim: int, coff: int, dtype: torch.dtype |
 
 def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0,
                      rotate: bool = False, eps: float = 1e-6, dtype: torch.dtype | None = None,
-                     weight_dtype: torch.dtype | None = None, arch: str | None = None):
+                     weight_dtype: torch.dtype | None = None, arch: str | None = None, *,
+                     ratio: int | None = None, coff: int | None = None):
     """Compile csa_ops.serving_store.compressor_extend_store's epilogue kernel (RMSNorm with
     ``eps``, RoPE on ``rope_dim`` columns, the rotation, ``cache_format`` and the paged
     store) ahead of use, as a CUDA graph capture needs; returns its key, or None where that
     epilogue runs as torch ops. dtype (the rows') and arch as in precompile; weight_dtype
-    (norm_weight's) None means float32."""
+    (norm_weight's) None means float32. With ``ratio`` and ``coff``, also the kernel that
+    runs a whole decode step of that configuration (one new token per request) in one
+    launch; a step captured without it runs as two launches, the same bytes."""
     from . import host
 
     return host.precompile_store(head_dim, cache_format, rope_dim, rotate, eps, dtype,
-                                 weight_dtype, arch)
+                                 weight_dtype, arch, ratio, coff)
 
 
 def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,

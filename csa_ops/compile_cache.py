@@ -66,6 +66,19 @@ class CompileCache:
                 self.hits += 1
         return kernel
 
+    def ready(self, direction: Direction, key: KernelKey) -> bool:
+        """Whether get(direction, key) returns a kernel now: one in memory or in the disk
+        cache, or one it may compile (no CUDA graph capture is active). Loads it."""
+        if (Direction(direction), key) in self._entries:
+            return True
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return True
+        try:
+            self.get(direction, key)
+        except RuntimeError:
+            return False
+        return True
+
     def _build(self, direction: Direction, key: KernelKey) -> Any:
         kernel = None
         if kernel_cache.enabled():
@@ -87,6 +100,14 @@ class CompileCache:
                     f"graph capture is active, where JIT is not allowed. Make a csa_ops."
                     f"{entry}(...) call for its epilogue (or the same call once eagerly) "
                     f"before capturing.")
+            if direction is Direction.EXTEND_STORE:  # an ExtendStoreKey
+                x, e = key.extend, key.epilogue
+                raise RuntimeError(
+                    f"csa_ops: the fused decode-step kernel for {key} is not compiled and a "
+                    f"CUDA graph capture is active, where JIT is not allowed. Call csa_ops."
+                    f"precompile_store({x.head_dim}, {e.cache_format!r}, {e.rope_dim}, "
+                    f"{e.rotate}, {e.eps}, torch.{e.dtype}, torch.{e.weight_dtype}, "
+                    f"ratio={x.ratio}, coff={x.coff}) before capturing.")
             # csa::compressor's directions and csa::compressor_extend's kernels each have
             # their own precompile entry.
             entry = "precompile_extend" if direction is Direction.EXTEND else "precompile"

@@ -28,6 +28,9 @@ class Direction(str, enum.Enum):
     STORE = "store"
     EPILOGUE = "epi"
     EPILOGUE_BACKWARD = "epib"
+    # csa::compressor_extend_store's decode step in one kernel (an ExtendStoreKey): the
+    # extend kernel's state update and rows, each row through the store's epilogue.
+    EXTEND_STORE = "exst"
 
     @classmethod
     def of(cls, backward: bool) -> Direction:

@@ -17,7 +17,7 @@ import torch
 
 from . import config
 from .compile_cache import CompileCache, ptx
-from .config import Direction, KernelKey
+from .config import Direction, KernelKey, LaunchPlan
 from .kernels import FAMILIES, extend_plan, select_key
 from .kernels.families import KernelFamily
 from .launch_description import (
@@ -207,17 +207,48 @@ def epilogue_key(dtype: torch.dtype, weight_dtype: torch.dtype, head_dim: int, r
     return key if plan.supports(key) else None
 
 
+def extend_store_key(key: KernelKey, epilogue):
+    """csa::compressor_extend_store's fused decode-step key of an extend key and an
+    epilogue key, or None where no fused kernel takes them (kernels/window/plan.py)."""
+    from .kernels.window import plan
+
+    return plan.extend_store_key(key, epilogue)
+
+
+def extend_store_plan(key, num_requests: int) -> LaunchPlan:
+    from .kernels.window import plan
+
+    return plan.plan_extend_store(key, num_requests)
+
+
 def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate: bool = False,
                      eps: float = 1e-6, dtype: torch.dtype | None = None,
-                     weight_dtype: torch.dtype | None = None, arch: str | None = None):
+                     weight_dtype: torch.dtype | None = None, arch: str | None = None,
+                     ratio: int | None = None, coff: int | None = None):
     """Compile (or load) csa::compressor_extend_store's row-epilogue kernel of one epilogue;
-    weight_dtype None means float32; the rest as in precompile. Returns its key, or None
-    where that epilogue runs as torch ops."""
+    weight_dtype None means float32; the rest as in precompile. With ``ratio`` and ``coff``
+    also the decode step's fused kernel of that configuration, where one takes it. Returns
+    the epilogue's key, or None where that epilogue runs as torch ops."""
     key = _epilogue_target("precompile_store", head_dim, cache_format, rope_dim, rotate, eps,
                            dtype, weight_dtype, arch, False)
     if key is not None:
         KERNELS.get(Direction.STORE, key)
+        step = decode_step_key(key, ratio, coff)
+        if step is not None:
+            KERNELS.get(Direction.EXTEND_STORE, step)
     return key
+
+
+def decode_step_key(epilogue, ratio: int | None, coff: int | None):
+    """The fused decode-step key of an epilogue key's configuration (its head_dim, dtype and
+    arch) at ``ratio`` and ``coff``; None where there is none, or no ratio is given."""
+    if ratio is None or coff is None:
+        return None
+    forward = _key_for(ratio, coff, epilogue.head_dim, epilogue.dtype, epilogue.arch,
+                       Direction.FORWARD)
+    if forward is None or not extend_plan.supports(forward):
+        return None
+    return extend_store_key(extend_plan.for_size(forward, extend_plan.SizeClass.STEP), epilogue)
 
 
 def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,

@@ -60,6 +60,17 @@ def _route(on: bool):
             setattr(STATE, flag, value)
 
 
+@contextlib.contextmanager
+def two_launch_step():
+    """Within: csa::compressor_extend_store's decode steps run as the extend kernel, then
+    the store kernel (the fused kernel's reference, and the benchmarks' baseline)."""
+    previous, STATE.fused_store_step = STATE.fused_store_step, False
+    try:
+        yield
+    finally:
+        STATE.fused_store_step = previous
+
+
 def torch_route():
     """Within: the epilogue ops run their epilogue as torch ops on CUDA too, both directions
     (the composition the kernels are tested against, and the benchmarks' baseline)."""
@@ -130,6 +141,70 @@ def launch_store(rows, cu_seqlens_comp, num_tokens: int, cu_seqlens, start_pos, 
         lambda host: _key(rows, norm_weight, eps, rope_dim, rotate, cache_format, host),
         constants, rows.device.index or 0)
     return call(*tensors) is not None
+
+
+_STEP_INPUTS = ("kv", "score", "ape", "cu", "start_pos", "slots", "kv_state", "score_state",
+                "norm_weight", "cos", "sin", "block_table", "cache")
+
+
+def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
+                        norm_weight, eps: float, cos, sin, rope_dim: int, rotate: bool,
+                        cache_format: str, cache, block_table, page_size: int, ratio: int,
+                        coff: int, num_rows: int):
+    """csa::compressor_extend_store's whole decode step in one launch (the register-window
+    family's fused kernel, kernels/window/extend_store.py): the state updated in place, the
+    rows its requests complete through the epilogue into ``cache``; returns
+    cu_seqlens_comp, or None where that kernel does not take the call (nothing launched:
+    the extend and store kernels run it). ``num_rows``: the call's row capacity, which
+    cu_seqlens_comp[-1] must not pass (serving_store's bound)."""
+    if not (STATE.store_kernel and STATE.fused_store_step and kv.is_cuda
+            and start_pos.shape[0] and cache.is_contiguous() and kv_state.is_contiguous()
+            and score_state.is_contiguous() and kv_state is not score_state):
+        return None
+    if cache_format == "fp8_ds_mla" and cache.shape[1] % _DS_MLA_PAGE_ALIGN:
+        return None
+    tensors = (kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
+               norm_weight, cos, sin, block_table, cache)
+    signature = dispatch.signature(tensors, Direction.EXTEND_STORE, float(eps), rope_dim,
+                                   rotate, cache_format, page_size, ratio, coff, num_rows)
+    call = _PREPARED.get(signature)
+    if call is None:
+        host = dispatch.launch_path(_PREPARED)
+        key = _step_key(kv, start_pos.shape[0], norm_weight, eps, rope_dim, rotate,
+                        cache_format, ratio, coff, host)
+        if key is None:
+            return _PREPARED.remember(signature, _NOT_TAKEN)(*tensors)
+        if not host.KERNELS.ready(Direction.EXTEND_STORE, key):
+            return None  # not compiled, and a capture forbids compiling: two launches
+        constants = {
+            "num_tokens": kv.shape[0], "num_rows": num_rows,
+            "num_requests": start_pos.shape[0], "num_slots": kv_state.shape[0],
+            "table_rows": max(cos.shape[0], 1), "table_width": block_table.shape[1],
+            "num_pages": cache.shape[0], "page_size": page_size,
+            "page_bytes": cache.shape[1] if cache_format == "fp8_ds_mla" else 0,
+            "grid": host.extend_store_plan(key, start_pos.shape[0]).grid}
+        spec = CallSpec(direction=Direction.EXTEND_STORE, key=key, inputs=_STEP_INPUTS,
+                        outputs={"cuc": ("cu", None)},
+                        launches=(Launch(host.KERNELS.get(Direction.EXTEND_STORE, key),
+                                         constants),),
+                        to_float=("ape",), in_place=("kv_state", "score_state", "cache"),
+                        live="ape")
+        call = _PREPARED.remember(signature, python_call(
+            spec, current_stream_handle, kv.device.index or 0, host.multi_gpu()))
+    return call(*tensors)
+
+
+def _step_key(kv, num_requests: int, norm_weight, eps: float, rope_dim: int, rotate: bool,
+              cache_format: str, ratio: int, coff: int, host):
+    """The fused decode step's key of a call, None where its extend kernel does not pool
+    each request's rows in the request's item (a call of one token per request does) or
+    the fused kernel cannot hold the epilogue."""
+    problem = host.extend_problem(kv, ratio, coff, num_requests)
+    if problem is None:
+        return None
+    epilogue = host.epilogue_key(kv.dtype, norm_weight.dtype, kv.shape[1] // coff, rope_dim,
+                                 rotate, cache_format, eps, problem.key.arch)
+    return None if epilogue is None else host.extend_store_key(problem.key, epilogue)
 
 
 def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight, eps: float,

@@ -257,6 +257,13 @@ def extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_s
         _check_contents(kv, cu_seqlens, start_pos, slots, kv_state, cos, rope_dim, block_table,
                         ratio, page_size, num_pages)
     rows = _row_capacity(kv, cu_seqlens, start_pos, ratio, check_contents)
+    if not check_contents:  # a decode step's whole stage, in one kernel where one takes it
+        cu_seqlens_comp = row_epilogue.launch_extend_store(
+            kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, norm_weight,
+            eps, cos, sin, rope_dim, rotate, cache_format, cache, block_table, page_size, ratio,
+            coff, rows)
+        if cu_seqlens_comp is not None:
+            return cu_seqlens_comp
     pooled, cu_seqlens_comp = torch.ops.csa.compressor_extend.default(
         kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state, ratio, coff, rows)
     if start_pos.shape[0] == 0:

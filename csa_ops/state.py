@@ -53,6 +53,7 @@ class ProcessState:
         # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (off: the torch
         # route, the composition they are tested against)
         self.store_kernel = True
+        self.fused_store_step = True  # ... a decode step's in one kernel with its pooling
         self.training_epilogue_kernel = True
         self.training_epilogue_backward_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED

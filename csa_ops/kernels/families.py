@@ -68,7 +68,9 @@ FAMILIES: dict[str, KernelFamily] = {"window": window_plan, "streaming": streami
 KERNELS = {
     "window": {Direction.FORWARD: "forward:WindowForward",
                Direction.BACKWARD: "backward:WindowBackward",
-               Direction.EXTEND: "extend:WindowExtend"},
+               Direction.EXTEND: "extend:WindowExtend",
+               # csa::compressor_extend_store's decode step (an ExtendStoreKey)
+               Direction.EXTEND_STORE: "extend_store:WindowExtendStore"},
     "streaming": {Direction.FORWARD: "kernels:StreamingForward",
                   Direction.BACKWARD: "kernels:StreamingBackward",
                   Direction.EXTEND: "extend:StreamingExtend"},

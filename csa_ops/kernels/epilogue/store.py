@@ -213,14 +213,27 @@ class RowEpilogueStore(RowEpilogue):
                 cu, starts, cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
             if valid:
                 q = Int64(start // ratio) + Int64(n) - Int64(first)
-                self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
-                column = q // Int64(page_size)
-                if column < Int64(table_width):
-                    page = cute.make_tensor(
-                        p_table + Int64(i) * Int64(table_width) + column, 1)[0]
-                    if page >= 0 and page < num_pages:
-                        writes = Boolean(True)
-                        cache_row = Int64(page) * Int64(page_size) + q % Int64(page_size)
+                writes, cache_row = self.row_target(p_table, p_cos, p_sin, angles, i, q,
+                                                    ratio, table_rows, table_width,
+                                                    num_pages, page_size, tid)
+        return writes, cache_row
+
+    @cute.jit
+    def row_target(self, p_table, p_cos, p_sin, angles, i, q: Int64, ratio, table_rows: Int32,
+                   table_width: Int32, num_pages: Int32, page_size: Int32, tid: Int32):
+        """(writes, cache row) of compressed row q of valid request i, its RoPE angles (at
+        position q * ratio) loaded into ``angles``: cache row block_table[i, q // page_size]
+        * page_size + q % page_size, written when that entry is in range. Loads only in
+        bounds."""
+        writes = Boolean(False)
+        cache_row = Int64(0)
+        self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
+        column = q // Int64(page_size)
+        if column < Int64(table_width):
+            page = cute.make_tensor(p_table + Int64(i) * Int64(table_width) + column, 1)[0]
+            if page >= 0 and page < num_pages:
+                writes = Boolean(True)
+                cache_row = Int64(page) * Int64(page_size) + q % Int64(page_size)
         return writes, cache_row
 
     @cute.kernel
@@ -244,15 +257,24 @@ class RowEpilogueStore(RowEpilogue):
         cm.await_upstream(self.pdl)
         if writes:  # the same for every thread of the CTA
             rX = self.load_row(p_rows, n, tid)
-            self.finish_row(rX, rWeight, angles, sRow, tid)
-            # Strided to contiguous through shared memory.
-            for k in cutlass.range_constexpr(self.V):
-                sRow[tid + k * self.T] = rX[k]
-            cute.arch.sync_threads()
-            rZ = cute.make_rmem_tensor((self.V,), Float32)
-            for k in cutlass.range_constexpr(self.V):
-                rZ[k] = sRow[tid * self.V + k]
-            self.encode(rZ, p_cache, cache_row, page_size, page_bytes, tid)
+            self.finish_and_store(rX, rWeight, angles, sRow, p_cache, cache_row, page_size,
+                                  page_bytes, tid)
+
+    @cute.jit
+    def finish_and_store(self, rX: cute.Tensor, rWeight: cute.Tensor, angles,
+                         sRow: cute.Tensor, p_cache, cache_row: Int64, page_size: Int32,
+                         page_bytes: Int32, tid: Int32):
+        """A pooled row (strided, in rX) through the epilogue (finish_row), encoded and
+        stored at ``cache_row``; every thread of the CTA calls it."""
+        self.finish_row(rX, rWeight, angles, sRow, tid)
+        # Strided to contiguous through shared memory.
+        for k in cutlass.range_constexpr(self.V):
+            sRow[tid + k * self.T] = rX[k]
+        cute.arch.sync_threads()
+        rZ = cute.make_rmem_tensor((self.V,), Float32)
+        for k in cutlass.range_constexpr(self.V):
+            rZ[k] = sRow[tid * self.V + k]
+        self.encode(rZ, p_cache, cache_row, page_size, page_bytes, tid)
 
     @cute.jit
     def encode(self, rZ: cute.Tensor, p_cache, cache_row: Int64, page_size: Int32,

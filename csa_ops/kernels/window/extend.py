@@ -189,8 +189,8 @@ class WindowExtend(WindowKernel):
         self.store_row(p_out, rO, n, cv)
 
     @cute.jit
-    def pool_store(self, p_out, rKV, rL, n, q, cv):
-        """Row n = block q from gathered values and logits, as the forward pools it. (A
+    def pooled_row(self, rKV, rL, q):
+        """Block q's row from gathered values and logits, as the forward pools it. (A
         first-block flag the compiler could fold would let it contract a multiply-add the
         forward keeps apart: tests/test_extend_kernel.py audits the operations.)"""
         first = q == 0
@@ -201,7 +201,12 @@ class WindowExtend(WindowKernel):
         rO = cute.make_rmem_tensor((self.V,), self.dtype)
         softmax.pool_columns(self, rO, lambda i: softmax.column_fast(self, *column(i)),
                              lambda i: softmax.column_exact(self, *column(i)))
-        self.store_row(p_out, rO, n, cv)
+        return rO
+
+    @cute.jit
+    def pool_store(self, p_out, rKV, rL, n, q, cv):
+        """Row n = block q (pooled_row)."""
+        self.store_row(p_out, self.pooled_row(rKV, rL, q), n, cv)
 
     @cute.jit
     def body_row(self, p_kv, p_score, p_out, sApe, n, q, t0, cv, cvl):

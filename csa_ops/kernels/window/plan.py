@@ -6,6 +6,7 @@ device code (forward.py, backward.py, extend.py) builds on `Geometry` below.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from ...config import (
@@ -19,6 +20,7 @@ from ...config import (
     with_knobs,
 )
 from ..calls import SizeClass, check_lanes, from_forward
+from ..epilogue.plan import EpilogueKey
 
 # Largest window (coff * ratio) the family keeps in registers; larger ones go to streaming.
 WINDOW_MAX = 32
@@ -108,13 +110,17 @@ def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
 
 class Geometry:
     """Static CTA shape of a key: `rpc` rows of `cvc` column vectors (`vec` columns each),
-    `ny` column chunks per row; E grad_ape elements."""
+    `ny` column chunks per row; E grad_ape elements. A chunk is 128 bytes of a row, or the
+    whole row where `whole_rows` (a kernel whose CTA finishes its rows: extend_store.py)."""
+
+    whole_rows = False
 
     def __init__(self, key: KernelKey) -> None:
         self.R, self.C, self.D, self.V = key.ratio, key.coff, key.head_dim, key.knobs.vec
         self.W = self.R * self.C
         self.tpr = self.D // self.V
-        cvc = min(self.tpr, max(1, 128 // (self.V * key.elem_bytes)))
+        cvc = (self.tpr if self.whole_rows
+               else min(self.tpr, max(1, 128 // (self.V * key.elem_bytes))))
         self.ny = -(-self.tpr // cvc)
         self.cvc = -(-self.tpr // self.ny)
         self.rpc = max(1, key.knobs.threads // self.cvc)
@@ -208,3 +214,57 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
     """(key, plan) of each launch of one call of extend key `key` (extend_key's)."""
     return tuple((part, plan_extend_launch(part, num_tokens, num_requests, num_rows, num_sms))
                  for part in extend_launches(key))
+
+
+# csa::compressor_extend_store's decode steps in one launch (extend_store.py): a request per
+# CTA, whose threads are the row epilogue's, so the rows its tokens complete go through the
+# epilogue and into the cache where they are pooled.
+EXTEND_STORE_SMEM = 40 * 1024  # bytes: below the 48 KiB a launch gets without opting in
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendStoreKey:
+    """The decode step's fused kernel: the extend key it pools and updates the state with
+    (a request's item pools its rows; whole rows per CTA) and the epilogue key of what
+    follows. Both keys' dtype and arch agree."""
+
+    extend: KernelKey
+    epilogue: EpilogueKey
+
+    family = "window"  # the kernel package (kernels.families.KERNELS)
+
+    def __post_init__(self) -> None:
+        e, x = self.extend, self.epilogue
+        if (e.dtype, e.arch) != (x.dtype, x.arch) or e.head_dim != x.head_dim:
+            raise ValueError(f"ExtendStoreKey: the extend and epilogue keys must agree on "
+                             f"dtype, arch and head_dim, got {e!r} and {x!r}")
+        if not e.knobs.request_rows or (e.knobs.vec, e.knobs.threads) != (x.vec, x.threads):
+            raise ValueError(f"ExtendStoreKey: the extend key must pool its requests' rows "
+                             f"in the epilogue's CTA ({x.threads} threads of {x.vec} "
+                             f"columns), got {e.knobs!r}")
+
+    dtype = property(lambda self: self.extend.dtype)
+    arch = property(lambda self: self.extend.arch)
+    align_bytes = property(lambda self: self.extend.align_bytes)
+    weight_dtype = property(lambda self: self.epilogue.weight_dtype)
+    cache_dtype = property(lambda self: self.epilogue.cache_dtype)
+
+
+def extend_store_key(key: KernelKey, epilogue: EpilogueKey) -> ExtendStoreKey | None:
+    """The fused key of a decode step whose extend key is `key` (extend_key's, size class
+    STEP) and whose epilogue is `epilogue`; None where one CTA cannot be both: the
+    epilogue's CTA is not whole warps (a row of fewer than 128 columns) or its columns per
+    thread exceed one 16-byte access of the row dtype."""
+    if key.family != "window" or not key.knobs.request_rows:
+        return None
+    threads, vec = epilogue.threads, epilogue.vec
+    if threads % 32 or vec * key.elem_bytes > 16:
+        return None
+    if (key.window + 1) * key.head_dim * 4 > EXTEND_STORE_SMEM:
+        return None  # ape's whole rows and the row's buffer, in fp32
+    return ExtendStoreKey(with_knobs(key, vec=vec, threads=threads), epilogue)
+
+
+def plan_extend_store(key: ExtendStoreKey, num_requests: int) -> LaunchPlan:
+    """A CTA per request (at least one: it writes cu_seqlens_comp)."""
+    return LaunchPlan(grid=max(1, num_requests))
