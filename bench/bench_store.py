@@ -4,9 +4,10 @@
     python bench/bench_store.py --quick       # one tiny shape, any device (CPU: eager only)
 
 Per config and shape (bf16, fp32 norm weight, RoPE 64, page_size 64), in one run: ``extend``
-(csa::compressor_extend alone, the baseline), ``store kernel`` (the op, the row-epilogue
-kernel on CUDA), ``store torch`` (the op under row_epilogue.torch_route()), ``store
-compiled`` (torch.compile of the extend then serving_store.epilogue_store; fullgraph=True,
+(csa::compressor_extend alone, the baseline), ``store kernel`` (the op: on CUDA a decode
+step's one kernel where it takes the call, else the extend kernel then the row-epilogue
+kernel), ``store 2 launches`` (the op with decode steps as two launches too), ``store
+torch`` (the op under row_epilogue.torch_route()), ``store compiled`` (torch.compile of the extend then serving_store.epilogue_store; fullgraph=True,
 else False, recorded; an error is recorded), each as wall time of back-to-back eager calls
 and on CUDA as CUDA-graph replay (bench_serving.time_step); and ``DRAM floor``: the store's
 bytes (store_bytes) at the measured copy bandwidth, and at the H200's nominal 4.8 TB/s.
@@ -43,6 +44,7 @@ PAGE_SIZE, EPS, DTYPE = 64, 1e-6, torch.bfloat16
 DECODE_CONTEXT = 16384  # decode positions are drawn below this
 NOMINAL_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 FLOOR, KERNEL = "DRAM floor", "store kernel"
+TWO_LAUNCHES = "store 2 launches"  # the extend kernel, then the store kernel
 STORE = torch.ops.csa.compressor_extend_store.default
 Config = namedtuple("Config", "head_dim ratio coff cache_format rope_dim rotate",
                     defaults=(64, False))
@@ -217,10 +219,11 @@ def run_case(config: str, shape: str, args, bandwidth: float, gen) -> list:
     cfg, name = CONFIGS[config], f"{config} {shape}"
     starts, lengths = requests(shape, cfg.ratio, gen)
     case = Case(cfg, starts, lengths, args.device, gen)
-    fns = {"extend": case.extend, KERNEL: STORE, "store torch": STORE}
+    fns = {"extend": case.extend, KERNEL: STORE, TWO_LAUNCHES: STORE, "store torch": STORE}
     if not args.no_compile:
         fns["store compiled"] = compiled
     routes = {v: row_epilogue.torch_route for v in ("store torch", "store compiled")}
+    routes[TWO_LAUNCHES] = row_epilogue.two_launch_step
     checks, want = {}, None
     for variant in sorted(fns, key=lambda v: v != KERNEL):  # the kernel's outcome first
         route, note = routes.get(variant, contextlib.nullcontext), {}

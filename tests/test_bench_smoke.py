@@ -310,8 +310,9 @@ def test_store_bench_runs_every_variant_checked(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     variants = {r["variant"] for r in rows}
-    assert {"DRAM floor", "extend", "store kernel", "store torch", "store compiled"} <= variants
+    assert {"DRAM floor", "extend", "store kernel", "store 2 launches", "store torch",
+            "store compiled"} <= variants
     for r in rows:
-        if r["variant"] in ("store kernel", "store torch"):
+        if r["variant"] in ("store kernel", "store 2 launches", "store torch"):
             assert not r.get("error"), r
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "results.png"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import csa_ops
-from csa_ops import compile_cache
+from csa_ops import compile_cache, host
 from csa_ops.config import ARCHS, Direction
 from csa_ops.kernels.epilogue import plan
 
@@ -174,3 +174,65 @@ def test_routes_and_defaults():
                                                      1e-6, None, None, 0, False) is None
         assert flags() == (False, False, False)
     assert flags() == (True, True, True)
+
+
+# csa::compressor_extend_store's decode step in one kernel (kernels/window/extend_store.py):
+# (ratio, coff, cache_format, dtype, weight dtype, head_dim, rope_dim, rotate), rows of one
+# to four warps, both coffs, each dtype.
+DECODE_STEPS = (
+    (4, 2, "fp8_ds_mla", torch.bfloat16, torch.float32, 512, 64, False),
+    (4, 2, "mxfp4", torch.bfloat16, torch.bfloat16, 128, 64, True),
+    (4, 1, "fp8_block128", torch.float16, torch.float32, 256, 0, False),
+    (2, 2, "none", torch.float32, torch.float32, 512, 64, True),
+    (8, 2, "none", torch.bfloat16, torch.float32, 128, 2, False),
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", DECODE_STEPS,
+                         ids=["-".join(map(str, (r, c, f, d))) for r, c, f, _, _, d, _, _ in
+                              DECODE_STEPS])
+def test_the_decode_step_kernel_compiles_for_its_configuration(config, arch):
+    ratio, coff, fmt, dtype, weight, d, rope, rotate = config
+    key = csa_ops.precompile_store(d, fmt, rope, rotate, 1e-6, dtype, weight, arch=arch,
+                                   ratio=ratio, coff=coff)
+    step = host.decode_step_key(key, ratio, coff)
+    assert step is not None and step.epilogue == key and step.arch == arch
+    assert (step.extend.knobs.vec, step.extend.knobs.threads) == (key.vec, key.threads)
+    assert step.extend.knobs.request_rows  # a request's item pools its rows
+    ptx = compile_cache.ptx(Direction.EXTEND_STORE, step)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    # The epilogue's rounding at each of its rows' sites (the head rows, the later rows):
+    # the correctly rounded square root, no approximate one. (The pooling's certified fast
+    # softmax has its own audit: tests/test_extend_kernel.py.)
+    assert ptx.count("sqrt.rn.f32") == coff + 1
+    assert "sqrt.approx" not in ptx and "rsqrt" not in ptx
+
+
+@pytest.mark.parametrize("ratio, coff, d, dtype, why", [
+    (16, 2, 512, "bfloat16", "ape's window-32 rows past the shared memory it takes"),
+    (4, 2, 64, "bfloat16", "half a warp per row"),
+    (4, 2, 1024, "float32", "32-byte vectors"),
+])
+def test_the_decode_step_kernel_declines_what_one_cta_cannot_hold(ratio, coff, d, dtype, why):
+    epilogue = plan.configure(dtype, "float32", d, 0, False, "none", 1e-6, "sm_90a")
+    assert plan.supports(epilogue)
+    assert host.decode_step_key(epilogue, ratio, coff) is None, why
+    assert host.decode_step_key(epilogue, None, None) is None
+
+
+def test_the_decode_step_key_holds_its_two_keys_together():
+    from csa_ops.config import with_knobs
+    from csa_ops.kernels.window.plan import ExtendStoreKey
+
+    epilogue = plan.configure("bfloat16", "float32", 512, 64, False, "fp8_ds_mla", 1e-6,
+                              "sm_90a")
+    step = host.decode_step_key(epilogue, 4, 2)
+    with pytest.raises(ValueError, match="agree on dtype, arch and head_dim"):
+        ExtendStoreKey(step.extend, plan.configure("float16", "float32", 512, 64, False,
+                                                   "fp8_ds_mla", 1e-6, "sm_90a"))
+    with pytest.raises(ValueError, match="in the epilogue's CTA"):
+        ExtendStoreKey(with_knobs(step.extend, vec=2, threads=256), epilogue)
+    with pytest.raises(ValueError, match="in the epilogue's CTA"):  # row items: another CTA's
+        ExtendStoreKey(with_knobs(step.extend, request_rows=False), epilogue)

@@ -51,37 +51,60 @@ class RowEpilogue:
 
     # ------------------------------------------------------------ cross-thread exchanges
     @cute.jit
-    def exchange(self, value: Float32, stride: cutlass.Constexpr[int], sX: cute.Tensor,
-                 tid: Int32) -> Float32:
-        """The value of thread tid ^ stride: a shuffle inside a warp, else shared memory."""
-        result = Float32(0.0)
+    def partners(self, rX: cute.Tensor, stride: cutlass.Constexpr[int], sX: cute.Tensor,
+                 tid: Int32) -> cute.Tensor:
+        """Thread tid ^ stride's V values: shuffles inside a warp, else all V through shared
+        memory at once (two barriers per stride, not per value)."""
+        rO = self.row_registers()
         if cutlass.const_expr(stride < 32):
-            result = cute.arch.shuffle_sync_bfly(value, offset=stride)
+            for k in cutlass.range_constexpr(self.V):
+                rO[k] = cute.arch.shuffle_sync_bfly(rX[k], offset=stride)
         else:
-            sX[tid] = value
+            for k in cutlass.range_constexpr(self.V):
+                sX[tid + k * self.T] = rX[k]
             cute.arch.sync_threads()
-            result = sX[tid ^ stride]
+            for k in cutlass.range_constexpr(self.V):
+                rO[k] = sX[(tid ^ stride) + k * self.T]
             cute.arch.sync_threads()
-        return result
+        return rO
 
     @cute.jit
     def row_sum(self, values: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
         """The pairwise tree of reference_epilogue.row_mean over the strided row (column j
-        plus column j + w/2, w halving from head_dim), broadcast to every thread."""
+        plus column j + w/2, w halving from head_dim), on every thread. The tree's levels
+        between warps (lane strides of 32 and up) go through shared memory once: each
+        thread reads the partial sums of its lane in every warp and adds them in the
+        tree's order itself, so one barrier publishes them and none broadcasts the root.
+        The levels inside a warp are butterflies: x + y on one lane, y + x on its partner,
+        the same value, so every lane ends with the root."""
         for step in cutlass.range_constexpr(len(self.tree_widths)):
             width = self.tree_widths[step]
             for k in cutlass.range_constexpr(width):
                 values[k] = cm.add_rn(values[k], values[k + width])
         total = values[0]
+        warps = self.T // 32
+        if cutlass.const_expr(warps > 1):
+            sX[tid] = total
+            cute.arch.sync_threads()
+            rP = cute.make_rmem_tensor((warps,), Float32)
+            for m in cutlass.range_constexpr(warps):
+                rP[m] = sX[tid % 32 + 32 * m]
+            for width in cutlass.range_constexpr(len(halvings(warps))):
+                half = halvings(warps)[width]
+                for m in cutlass.range_constexpr(half):
+                    rP[m] = cm.add_rn(rP[m], rP[m + half])
+            total = rP[0]
+            cute.arch.sync_threads()  # every read is done before sX is written again
         for step in cutlass.range_constexpr(len(self.tree_lanes)):
-            total = cm.add_rn(total, self.exchange(total, self.tree_lanes[step], sX, tid))
-        # Thread 0 holds the tree's root (other threads hold partial trees).
-        if tid == 0:
-            sX[0] = total
-        cute.arch.sync_threads()
-        total = sX[0]
-        cute.arch.sync_threads()
+            stride = self.tree_lanes[step]
+            if cutlass.const_expr(stride < 32):
+                total = cm.add_rn(total, cute.arch.shuffle_sync_bfly(total, offset=stride))
         return total
+
+    def mean(self, total: Float32) -> Float32:
+        """total / head_dim, correctly rounded: head_dim is a power of two, so the product
+        with its exact reciprocal is the same number as the division."""
+        return cm.mul_rn(total, Float32(1.0 / self.D))
 
     # ------------------------------------------------------------ the epilogue steps
     @cute.jit
@@ -95,7 +118,7 @@ class RowEpilogue:
         rSq = cute.make_rmem_tensor((self.V,), Float32)
         for k in cutlass.range_constexpr(self.V):
             rSq[k] = cm.mul_rn(rX[k], rX[k])
-        mean = cm.div_rn(self.row_sum(rSq, sX, tid), Float32(float(self.D)))
+        mean = self.mean(self.row_sum(rSq, sX, tid))
         root = cute.math.sqrt(cm.add_rn(mean, Float32(self.eps)),
                               rounding=RoundingMode.NEAREST_EVEN)
         return cm.div_rn(Float32(1.0), root)
@@ -136,9 +159,9 @@ class RowEpilogue:
         for s in cutlass.range_constexpr(len(self.lane_strides)):
             stride = self.lane_strides[s]
             high = (tid & stride) != 0
+            rO = self.partners(rX, stride, sX, tid)
             for k in cutlass.range_constexpr(self.V):
-                other = self.exchange(rX[k], stride, sX, tid)
-                rX[k] = cm.pick(high, cm.sub_rn(other, rX[k]), cm.add_rn(rX[k], other))
+                rX[k] = cm.pick(high, cm.sub_rn(rO[k], rX[k]), cm.add_rn(rX[k], rO[k]))
         for s in cutlass.range_constexpr(len(self.thread_strides)):
             step = self.thread_strides[s]
             for k in cutlass.range_constexpr(self.V):

@@ -104,7 +104,7 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
             rW[k] = cm.add_rn(rW[k], cm.mul_rn(rG[k], rX[k]))
             rScaled[k] = cm.mul_rn(rG[k], rWeight[k])
             rG[k] = cm.mul_rn(rX[k], rScaled[k])  # the mean's terms (rG is free now)
-        mean = cm.div_rn(self.row_sum(rG, sRow, tid), Float32(float(self.D)))
+        mean = self.mean(self.row_sum(rG, sRow, tid))
         # d/dx of x * r(x), r = 1 / sqrt(mean(x^2) + eps): r * (h - x r * mean(x r * h)).
         for k in cutlass.range_constexpr(self.V):
             rG[k] = self.to_dtype(

@@ -44,11 +44,13 @@ class WindowExtendStore(WindowExtend):
 
     @cute.jit
     def emit(self, rO: cute.Tensor, writes: Boolean, cache_row: Int64, rWeight, angles,
-             sRow: cute.Tensor, p_cache, page_size: Int32, page_bytes: Int32, tid: Int32):
+             sRow: cute.Tensor, p_cache, page_size: Int32, page_bytes: Int32, tid: Int32,
+             after_row: cutlass.Constexpr[bool] = True):
         """A pooled row (contiguous, the row dtype) through the epilogue into the cache, where
-        the row writes."""
+        the row writes; ``after_row``: an earlier row may have used sRow."""
         if writes:
-            cute.arch.sync_threads()  # an earlier row's readers of sRow are done
+            if cutlass.const_expr(after_row):
+                cute.arch.sync_threads()  # the earlier row's readers of sRow are done
             for k in cutlass.range_constexpr(self.V):
                 sRow[tid * self.V + k] = Float32(rO[k])
             cute.arch.sync_threads()
@@ -129,7 +131,7 @@ class WindowExtendStore(WindowExtend):
                                                         num_pages, page_size, tid)
                     self.finish_logits(rSc, rL, sApe, q0 + h, start, tid)
                     self.emit(self.pooled_row(rKV, rL, q0 + h), writes, cache_row, rWeight,
-                              angles, sRow, p_cache, page_size, page_bytes, tid)
+                              angles, sRow, p_cache, page_size, page_bytes, tid, h > 0)
             if decode:  # a decode request has one head row at most: the window's still held
                 self.store_decode(p_kvs, p_ss, sApe, rKV, rL, rNK, rNS, rMK, rML, start, slot,
                                   heads, tid, tid)
