@@ -193,48 +193,64 @@ class RowEpilogueStore(RowEpilogue):
     @cute.jit
     def target(self, p_cu, p_start, p_slots, p_table, p_cos, p_sin, angles, n: Int32,
                num_requests: Int32, num_tokens: Int32, num_slots: Int32, table_rows: Int32,
-               table_width: Int32, num_pages: Int32, page_size: Int32, ratio: Int32,
-               tid: Int32, sWarps: cute.Tensor, sFound: cute.Tensor):
-        """(writes, cache row) of output row n, its RoPE angles loaded into ``angles``:
-        its request i, compressed row q = start_pos[i] // ratio + n - (i's first row) at
-        position q * ratio, cache row block_table[i, q // page_size] * page_size +
-        q % page_size. It writes when a request's rows hold n, the request is valid (as the
-        extend kernels judge it) and the block-table entry is in range. Reads only the
-        call's inputs, none of which the extend kernel writes, so it runs before the PDL
-        wait, while the extend kernel runs. Every load is in bounds for any contents."""
+               table_width: Int32, num_pages: Int32, page_size: Int32, page_bytes: Int32,
+               ratio: Int32, tid: Int32, sWarps: cute.Tensor, sFound: cute.Tensor):
+        """(writes, data offset, scale offset) of output row n (row_target's), its RoPE
+        angles loaded into ``angles``: its request i, compressed row q = start_pos[i] //
+        ratio + n - (i's first row). It writes when a request's rows hold n, the request is
+        valid (as the extend kernels judge it) and the block-table entry is in range. Reads
+        only the call's inputs, none of which the extend kernel writes, so it runs before
+        the PDL wait, while the extend kernel runs. Every load is in bounds for any
+        contents."""
         cu = cute.make_tensor(p_cu, num_requests + 1)
         starts = cute.make_tensor(p_start, num_requests)
         i, first = self.request_of_row(cu, starts, n, num_requests, ratio, tid, sWarps,
                                        sFound)
         writes = Boolean(False)
-        cache_row = Int64(0)
+        data = Int64(0)
+        scale = Int64(0)
         if i >= 0:
             valid, _, start, _, _ = requests.request_of(
                 cu, starts, cute.make_tensor(p_slots, num_requests), i, num_tokens, num_slots)
             if valid:
                 q = Int64(start // ratio) + Int64(n) - Int64(first)
-                writes, cache_row = self.row_target(p_table, p_cos, p_sin, angles, i, q,
-                                                    ratio, table_rows, table_width,
-                                                    num_pages, page_size, tid)
-        return writes, cache_row
+                writes, data, scale = self.row_target(
+                    p_table, p_cos, p_sin, angles, i, q, ratio, table_rows, table_width,
+                    num_pages, page_size, page_bytes, tid)
+        return writes, data, scale
 
     @cute.jit
     def row_target(self, p_table, p_cos, p_sin, angles, i, q: Int64, ratio, table_rows: Int32,
-                   table_width: Int32, num_pages: Int32, page_size: Int32, tid: Int32):
-        """(writes, cache row) of compressed row q of valid request i, its RoPE angles (at
-        position q * ratio) loaded into ``angles``: cache row block_table[i, q // page_size]
-        * page_size + q % page_size, written when that entry is in range. Loads only in
-        bounds."""
+                   table_width: Int32, num_pages: Int32, page_size: Int32, page_bytes: Int32,
+                   tid: Int32):
+        """(writes, data offset, scale offset) of compressed row q of valid request i, its
+        RoPE angles (at position q * ratio) loaded into ``angles``: the row goes to slot
+        q % page_size of page block_table[i, q // page_size], written when that entry is in
+        range. Loads only in bounds; its offsets are ready before the row is (encode's
+        arguments), so no division waits for the epilogue."""
         writes = Boolean(False)
-        cache_row = Int64(0)
+        data = Int64(0)
+        scale = Int64(0)
         self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
         column = q // Int64(page_size)
         if column < Int64(table_width):
             page = cute.make_tensor(p_table + Int64(i) * Int64(table_width) + column, 1)[0]
             if page >= 0 and page < num_pages:
                 writes = Boolean(True)
-                cache_row = Int64(page) * Int64(page_size) + q % Int64(page_size)
-        return writes, cache_row
+                data, scale = self.cache_offsets(Int64(page), q - column * Int64(page_size),
+                                                 page_size, page_bytes)
+        return writes, data, scale
+
+    def cache_offsets(self, page: Int64, slot: Int64, page_size: Int32, page_bytes: Int32):
+        """(data, scales) offsets of a cache row in the cache's elements: fp8_ds_mla's
+        scales lie after its page's rows; the other formats' follow the row's data (and
+        "none" has none)."""
+        if self.format == "fp8_ds_mla":
+            page_base = page * Int64(page_bytes)
+            return (page_base + slot * DS_MLA_ROW_BYTES,
+                    page_base + Int64(page_size) * DS_MLA_ROW_BYTES + slot * DS_MLA_SCALE_BYTES)
+        row_elements = self.D if self.format == "none" else self.row_bytes
+        return (page * Int64(page_size) + slot) * row_elements, Int64(0)
 
     @cute.kernel
     def kernel(self, p_rows, p_weight, p_cos, p_sin, p_cu, p_start, p_slots, p_table,
@@ -248,24 +264,22 @@ class RowEpilogueStore(RowEpilogue):
         # kernel runs (a decode step's time is this chain of dependent loads).
         rWeight = self.load_weight(p_weight, tid)
         angles = self.angle_registers()
-        writes, cache_row = self.target(
+        writes, data, scale = self.target(
             p_cu, p_start, p_slots, p_table, p_cos, p_sin, angles, n, num_requests,
-            num_tokens, num_slots, table_rows, table_width, num_pages, page_size, ratio, tid,
-            sWarps, sFound)
+            num_tokens, num_slots, table_rows, table_width, num_pages, page_size, page_bytes,
+            ratio, tid, sWarps, sFound)
         # Every CTA waits, writer or not: the grid must complete after the extend kernel,
         # so that a grid waiting on this one sees the extend kernel's state writes too.
         cm.await_upstream(self.pdl)
         if writes:  # the same for every thread of the CTA
             rX = self.load_row(p_rows, n, tid)
-            self.finish_and_store(rX, rWeight, angles, sRow, p_cache, cache_row, page_size,
-                                  page_bytes, tid)
+            self.finish_and_store(rX, rWeight, angles, sRow, p_cache, data, scale, tid)
 
     @cute.jit
     def finish_and_store(self, rX: cute.Tensor, rWeight: cute.Tensor, angles,
-                         sRow: cute.Tensor, p_cache, cache_row: Int64, page_size: Int32,
-                         page_bytes: Int32, tid: Int32):
+                         sRow: cute.Tensor, p_cache, data: Int64, scale: Int64, tid: Int32):
         """A pooled row (strided, in rX) through the epilogue (finish_row), encoded and
-        stored at ``cache_row``; every thread of the CTA calls it."""
+        stored at row_target's offsets; every thread of the CTA calls it."""
         self.finish_row(rX, rWeight, angles, sRow, tid)
         # Strided to contiguous through shared memory.
         for k in cutlass.range_constexpr(self.V):
@@ -274,27 +288,21 @@ class RowEpilogueStore(RowEpilogue):
         rZ = cute.make_rmem_tensor((self.V,), Float32)
         for k in cutlass.range_constexpr(self.V):
             rZ[k] = sRow[tid * self.V + k]
-        self.encode(rZ, p_cache, cache_row, page_size, page_bytes, tid)
+        self.encode(rZ, p_cache, data, scale, tid)
 
     @cute.jit
-    def encode(self, rZ: cute.Tensor, p_cache, cache_row: Int64, page_size: Int32,
-               page_bytes: Int32, tid: Int32):
+    def encode(self, rZ: cute.Tensor, p_cache, data: Int64, scale: Int64, tid: Int32):
         if cutlass.const_expr(self.format == "none"):
             rO = cute.make_rmem_tensor((self.V,), self.dtype)
             for k in cutlass.range_constexpr(self.V):
                 rO[k] = self.dtype(rZ[k])
-            self.store_bytes(rO, p_cache, cache_row * self.D + tid * self.V, self.V)
+            self.store_bytes(rO, p_cache, data + tid * self.V, self.V)
         elif cutlass.const_expr(self.format == "fp8_ds_mla"):
-            page = cache_row // Int64(page_size)
-            slot = cache_row % Int64(page_size)
-            page_base = page * Int64(page_bytes)
-            self.encode_ds_mla(rZ, p_cache, page_base + slot * DS_MLA_ROW_BYTES,
-                               page_base + Int64(page_size) * DS_MLA_ROW_BYTES
-                               + slot * DS_MLA_SCALE_BYTES, tid)
+            self.encode_ds_mla(rZ, p_cache, data, scale, tid)
         elif cutlass.const_expr(self.format == "fp8_block128"):
-            self.encode_block128(rZ, p_cache, cache_row * self.row_bytes, tid)
+            self.encode_block128(rZ, p_cache, data, tid)
         else:
-            self.encode_mxfp4(rZ, p_cache, cache_row * self.row_bytes, tid)
+            self.encode_mxfp4(rZ, p_cache, data, tid)
 
     @cute.jit
     def __call__(self, p_rows: cute.Pointer, p_weight: cute.Pointer, p_cos: cute.Pointer,

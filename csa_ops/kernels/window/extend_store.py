@@ -43,11 +43,12 @@ class WindowExtendStore(WindowExtend):
         self.smem_bytes = (self.D + self.W * self.D + self.warp_sums) * 4 + 64
 
     @cute.jit
-    def emit(self, rO: cute.Tensor, writes: Boolean, cache_row: Int64, rWeight, angles,
-             sRow: cute.Tensor, p_cache, page_size: Int32, page_bytes: Int32, tid: Int32,
-             after_row: cutlass.Constexpr[bool] = True):
+    def emit(self, rO: cute.Tensor, place, rWeight, angles, sRow: cute.Tensor, p_cache,
+             tid: Int32, after_row: cutlass.Constexpr[bool] = True):
         """A pooled row (contiguous, the row dtype) through the epilogue into the cache, where
-        the row writes; ``after_row``: an earlier row may have used sRow."""
+        the row writes; ``place``: target's (writes, data offset, scale offset);
+        ``after_row``: an earlier row may have used sRow."""
+        writes, data, scale = place
         if writes:
             if cutlass.const_expr(after_row):
                 cute.arch.sync_threads()  # the earlier row's readers of sRow are done
@@ -58,8 +59,7 @@ class WindowExtendStore(WindowExtend):
             for k in cutlass.range_constexpr(self.V):
                 rX[k] = sRow[tid + k * self.nt]
             cute.arch.sync_threads()  # the epilogue's exchanges reuse sRow
-            self.epi.finish_and_store(rX, rWeight, angles, sRow, p_cache, cache_row, page_size,
-                                      page_bytes, tid)
+            self.epi.finish_and_store(rX, rWeight, angles, sRow, p_cache, data, scale, tid)
 
     @cute.kernel
     def kernel(self, p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_cuc,
@@ -93,7 +93,8 @@ class WindowExtendStore(WindowExtend):
         heads = Int32(0)
         decode = Boolean(False)
         writes = Boolean(False)
-        cache_row = Int64(0)
+        data = Int64(0)
+        scale = Int64(0)
         if item < num_reqs:
             ok, tok0, start, length, slot, rows = self.batch.request(cu, starts, slots, item,
                                                                      num_tokens, num_slots)
@@ -101,9 +102,9 @@ class WindowExtendStore(WindowExtend):
             if ok and heads > 0:  # the first row's window, angles and cache row, early
                 self.gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, start // self.R, start,
                             tok0, slot, tid)
-                writes, cache_row = self.target(p_table, p_cos, p_sin, angles, item,
-                                                start // self.R, table_rows, table_width,
-                                                num_pages, page_size, tid)
+                writes, data, scale = self.target(p_table, p_cos, p_sin, angles, item,
+                                                  start // self.R, table_rows, table_width,
+                                                  num_pages, page_size, page_bytes, tid)
             if cutlass.const_expr(self.preload):
                 decode = self.is_decode(ok, start, length, heads)
             if decode:
@@ -126,12 +127,12 @@ class WindowExtendStore(WindowExtend):
                     if cutlass.const_expr(h > 0):  # a later head row: its own lookups
                         self.gather(p_kv, p_score, p_kvs, p_ss, rKV, rSc, rL, q0 + h, start,
                                     tok0, slot, tid)
-                        writes, cache_row = self.target(p_table, p_cos, p_sin, angles, item,
-                                                        q0 + h, table_rows, table_width,
-                                                        num_pages, page_size, tid)
+                        writes, data, scale = self.target(
+                            p_table, p_cos, p_sin, angles, item, q0 + h, table_rows,
+                            table_width, num_pages, page_size, page_bytes, tid)
                     self.finish_logits(rSc, rL, sApe, q0 + h, start, tid)
-                    self.emit(self.pooled_row(rKV, rL, q0 + h), writes, cache_row, rWeight,
-                              angles, sRow, p_cache, page_size, page_bytes, tid, h > 0)
+                    self.emit(self.pooled_row(rKV, rL, q0 + h), (writes, data, scale), rWeight,
+                              angles, sRow, p_cache, tid, h > 0)
             if decode:  # a decode request has one head row at most: the window's still held
                 self.store_decode(p_kvs, p_ss, sApe, rKV, rL, rNK, rNS, rMK, rML, start, slot,
                                   heads, tid, tid)
@@ -145,20 +146,21 @@ class WindowExtendStore(WindowExtend):
                 rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
                 self.load_window(p_kv, p_score, rKV, rS, self.block_token(q, start, tok0), first,
                                  tid)
-                writes, cache_row = self.target(p_table, p_cos, p_sin, angles, item, q,
-                                                table_rows, table_width, num_pages, page_size,
-                                                tid)
+                place = self.target(p_table, p_cos, p_sin, angles, item, q, table_rows,
+                                    table_width, num_pages, page_size, page_bytes, tid)
                 rO = cute.make_rmem_tensor((self.V,), self.dtype)
                 self.pool_window(rO, rKV, rS, sApe, tid, first)
-                self.emit(rO, writes, cache_row, rWeight, angles, sRow, p_cache, page_size,
-                          page_bytes, tid)
+                self.emit(rO, place, rWeight, angles, sRow, p_cache, tid)
 
     @cute.jit
     def target(self, p_table, p_cos, p_sin, angles, item, q, table_rows: Int32,
-               table_width: Int32, num_pages: Int32, page_size: Int32, tid: Int32):
-        """(writes, cache row) of the request's compressed row q, its angles loaded."""
+               table_width: Int32, num_pages: Int32, page_size: Int32, page_bytes: Int32,
+               tid: Int32):
+        """(writes, data offset, scale offset) of the request's compressed row q, its angles
+        loaded (RowEpilogueStore.row_target)."""
         return self.epi.row_target(p_table, p_cos, p_sin, angles, item, Int64(q), self.R,
-                                   table_rows, table_width, num_pages, page_size, tid)
+                                   table_rows, table_width, num_pages, page_size, page_bytes,
+                                   tid)
 
     @cute.jit
     def __call__(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
