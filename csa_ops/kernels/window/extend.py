@@ -292,6 +292,21 @@ class WindowExtend(WindowKernel):
             decode = decode & (heads == 0)
         return decode
 
+    def decode_registers(self):
+        """preload_decode's destinations: the token's kv and score per coff-half, the moved
+        entries' half-0 kv and logits."""
+        moved = max(self.moved, 1)
+        return (cute.make_rmem_tensor((self.V, self.C), self.dtype),
+                cute.make_rmem_tensor((self.V, self.C), self.dtype),
+                cute.make_rmem_tensor((self.V, moved), self.dtype),
+                cute.make_rmem_tensor((self.V, moved), Float32))
+
+    @staticmethod
+    def no_request():
+        """Batch.request's values before a request is read: (ok, first token, start,
+        length, slot, rows)."""
+        return cutlass.Boolean(False), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+
     @cute.jit
     def preload_decode(self, p_kv, p_score, p_kvs, p_ss, rNK, rNS, rMK, rML, tok0, slot, heads, cv):
         """store_decode's sources: the token's kv and score per coff-half (rNK, rNS) and the
@@ -422,18 +437,10 @@ class WindowExtend(WindowKernel):
         # A request's first row issues its window loads before the scan (latency); a split
         # call's first part issues every head row's.
         windows = [self.window_registers() for _ in range(self.early_heads)]
-        ok = cutlass.Boolean(False)
-        tok0 = Int32(0)
-        start = Int32(0)
-        length = Int32(0)
-        slot = Int32(0)
+        ok, tok0, start, length, slot, rows = self.no_request()
         heads = Int32(0)
-        rows = Int32(0)
         decode = cutlass.Boolean(False)
-        rNK = cute.make_rmem_tensor((self.V, self.C), self.dtype)
-        rNS = cute.make_rmem_tensor((self.V, self.C), self.dtype)
-        rMK = cute.make_rmem_tensor((self.V, max(self.moved, 1)), self.dtype)
-        rML = cute.make_rmem_tensor((self.V, max(self.moved, 1)), Float32)
+        rNK, rNS, rMK, rML = self.decode_registers()
         if cutlass.const_expr(not self.has_requests):
             pass
         elif active and item < num_reqs:
