@@ -210,17 +210,24 @@ class WindowExtend(WindowKernel):
 
     @cute.jit
     def body_row(self, p_kv, p_score, p_out, sApe, n, q, t0, cv, cvl):
-        """Row n = block q, whose window lies in the new tokens from t0 - (C-1)*R on: the
+        """Row n = block q (new_token_row)."""
+        self.store_row(p_out, self.new_token_row(p_kv, p_score, sApe, q, t0, cv, cvl), n, cv)
+
+    @cute.jit
+    def new_token_row(self, p_kv, p_score, sApe, q, t0, cv, cvl):
+        """Block q's row, whose window lies in the new tokens from t0 - (C-1)*R on: the
         forward's code."""
         first = q == 0
         rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
         rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
         self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
-        self.pool_row(p_out, rKV, rS, sApe, n, first, cv, cvl)
+        rO = cute.make_rmem_tensor((self.V,), self.dtype)
+        self.pool_window(rO, rKV, rS, sApe, cvl, first)
+        return rO
 
     @cute.jit
     def pool_row(self, p_out, rKV, rS, sApe, n, first, cv, cvl):
-        """body_row's pooling and store, of a window load_window loaded."""
+        """Row n pooled from a window load_window loaded, and stored."""
         rO = cute.make_rmem_tensor((self.V,), self.dtype)
         self.pool_window(rO, rKV, rS, sApe, cvl, first)
         self.store_row(p_out, rO, n, cv)

@@ -32,7 +32,6 @@ class WindowExtendStore(WindowExtend):
 
     def __init__(self, key: ExtendStoreKey) -> None:
         super().__init__(key.extend)
-        self.fused_key = key
         self.epi = RowEpilogueStore(key.epilogue)
         assert (self.ny, self.rpc, self.nt) == (1, 1, self.epi.T) and self.V == self.epi.V
         # A CTA sums the batch's rows alone: as many requests per round trip as the store
@@ -134,14 +133,10 @@ class WindowExtendStore(WindowExtend):
             # Rows past the head rows read new tokens only (after the update: no state read).
             for h in cutlass.range(self.C, rows, unroll=1):
                 q = q0 + h
-                first = q == 0
-                rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
-                self.load_window(p_kv, p_score, rKV, rS, self.block_token(q, start, tok0), first,
-                                 tid)
                 place = self.target(p_table, p_cos, p_sin, angles, item, q, table_rows,
                                     table_width, num_pages, page_size, page_bytes, tid)
-                rO = cute.make_rmem_tensor((self.V,), self.dtype)
-                self.pool_window(rO, rKV, rS, sApe, tid, first)
+                rO = self.new_token_row(p_kv, p_score, sApe, q, self.block_token(q, start, tok0),
+                                        tid, tid)
                 self.emit(rO, place, rWeight, angles, sRow, p_cache, tid)
 
     @cute.jit
