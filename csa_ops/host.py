@@ -17,9 +17,11 @@ import torch
 
 from . import config
 from .compile_cache import CompileCache, ptx
-from .config import Direction, KernelKey, LaunchPlan
+from .config import Direction, KernelKey
 from .kernels import FAMILIES, extend_plan, select_key
+from .kernels.epilogue import plan as epilogue_plan
 from .kernels.families import KernelFamily
+from .kernels.window import plan as window_plan
 from .launch_description import (
     ARGUMENTS,
     CallSpec,
@@ -198,27 +200,11 @@ def epilogue_key(dtype: torch.dtype, weight_dtype: torch.dtype, head_dim: int, r
                  position_offset: bool = False):
     """The row-epilogue kernels' key of one epilogue, or None where none takes it (the
     epilogue then runs as torch ops)."""
-    from .kernels.epilogue import plan
-
     if dtype not in _TORCH_DTYPES or weight_dtype not in _TORCH_DTYPES or arch is None:
         return None
-    key = plan.configure(_TORCH_DTYPES[dtype], _TORCH_DTYPES[weight_dtype], head_dim,
-                         rope_dim, rotate, cache_format, eps, arch, position_offset)
-    return key if plan.supports(key) else None
-
-
-def extend_store_key(key: KernelKey, epilogue):
-    """csa::compressor_extend_store's fused decode-step key of an extend key and an
-    epilogue key, or None where no fused kernel takes them (kernels/window/plan.py)."""
-    from .kernels.window import plan
-
-    return plan.extend_store_key(key, epilogue)
-
-
-def extend_store_plan(key, num_requests: int) -> LaunchPlan:
-    from .kernels.window import plan
-
-    return plan.plan_extend_store(key, num_requests)
+    key = epilogue_plan.configure(_TORCH_DTYPES[dtype], _TORCH_DTYPES[weight_dtype], head_dim,
+                                  rope_dim, rotate, cache_format, eps, arch, position_offset)
+    return key if epilogue_plan.supports(key) else None
 
 
 def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate: bool = False,
@@ -248,7 +234,8 @@ def decode_step_key(epilogue, ratio: int | None, coff: int | None):
                        Direction.FORWARD)
     if forward is None or not extend_plan.supports(forward):
         return None
-    return extend_store_key(extend_plan.for_size(forward, extend_plan.SizeClass.STEP), epilogue)
+    return window_plan.extend_store_key(extend_plan.for_size(forward, extend_plan.SizeClass.STEP),
+                                        epilogue)
 
 
 def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,

@@ -26,6 +26,7 @@ import torch
 
 from . import dispatch
 from .config import Direction
+from .kernels.window import plan as window_plan
 from .launch_description import CallSpec, Launch, current_stream_handle, python_call
 from .state import STATE
 
@@ -38,8 +39,7 @@ _ROWS_BACKWARD_INPUTS = ("grad_out", "rows", "norm_weight", "cos", "sin", "cuc",
 # ceil(rows / MAX_PARTIALS) rows, so grad_weight's summation order depends on the row count
 # alone, not on the device.
 MAX_PARTIALS = 1024
-# fp8_ds_mla page bytes the store kernel takes: its row stores are 4 and 8 bytes wide (the
-# layout's own page size, a multiple of 576 bytes, always is).
+# fp8_ds_mla page bytes the store kernels take (see _cache_taken).
 _DS_MLA_PAGE_ALIGN = 16
 # Call metadata -> the prepared launch (cleared with every other prepared call).
 _PREPARED = dispatch.PreparedCalls()
@@ -89,9 +89,11 @@ def _key(rows, norm_weight, eps: float, rope_dim: int, rotate: bool, cache_forma
 
 
 def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of, constants_of,
-              device_index: int):
+              device_index: int, *, live: str = "rows", to_float=(), compiled_only=False):
     """The memo's call for ``signature``, prepared on first use from ``key_of(host)`` and
-    ``constants_of()``; ``_NOT_TAKEN`` where the kernel does not take it."""
+    ``constants_of(key)``; ``_NOT_TAKEN`` where the kernel does not take it. With
+    ``compiled_only``: None (nothing remembered) while the key's kernel is not compiled, as
+    within a capture, which forbids compiling."""
     call = _PREPARED.get(signature)
     if call is not None:
         return call
@@ -99,12 +101,28 @@ def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of
     key = key_of(host)
     if key is None:
         return _PREPARED.remember(signature, _NOT_TAKEN)
-    constants = constants_of()
+    if compiled_only and not host.KERNELS.ready(direction, key):
+        return None
     spec = CallSpec(direction=direction, key=key, inputs=inputs, outputs=outputs,
-                    launches=(Launch(host.KERNELS.get(direction, key), constants),),
-                    in_place=in_place, live="rows")
+                    launches=(Launch(host.KERNELS.get(direction, key), constants_of(key)),),
+                    to_float=to_float, in_place=in_place, live=live)
     return _PREPARED.remember(signature, python_call(spec, current_stream_handle, device_index,
                                                      host.multi_gpu()))
+
+
+def _cache_taken(cache, cache_format: str) -> bool:
+    """Whether the store kernels address ``cache``: contiguous, and fp8_ds_mla pages whose
+    stride keeps the kernels' 4- and 8-byte stores aligned (the layout's own page size, a
+    multiple of 576 bytes, always does)."""
+    return cache.is_contiguous() and not (
+        cache_format == "fp8_ds_mla" and cache.shape[1] % _DS_MLA_PAGE_ALIGN)
+
+
+def _cache_constants(cos, block_table, cache, cache_format: str, page_size: int) -> dict:
+    """The store kernels' launch constants of the tables and the paged cache."""
+    return {"table_rows": max(cos.shape[0], 1), "table_width": block_table.shape[1],
+            "num_pages": cache.shape[0], "page_size": page_size,
+            "page_bytes": cache.shape[1] if cache_format == "fp8_ds_mla" else 0}
 
 
 def _NOT_TAKEN(*tensors):  # a signature the kernel does not take
@@ -117,24 +135,20 @@ def launch_store(rows, cu_seqlens_comp, num_tokens: int, cu_seqlens, start_pos, 
                  ratio: int) -> bool:
     """Launch the store kernel for serving_store.epilogue_store's arguments (``rows``: the
     extend kernel's output); False where it does not take the call (nothing launched)."""
-    if not (STATE.store_kernel and rows.is_cuda and rows.shape[0] and cache.is_contiguous()):
+    if not (STATE.store_kernel and rows.is_cuda and rows.shape[0]
+            and _cache_taken(cache, cache_format)):
         return False
-    if cache_format == "fp8_ds_mla" and cache.shape[1] % _DS_MLA_PAGE_ALIGN:
-        return False  # pages the kernel's 4- and 8-byte stores cannot address aligned
     # The kernel places the rows as the extend kernel did, from cu_seqlens and start_pos
     # (before its PDL wait): it does not read cu_seqlens_comp.
     tensors = (rows, norm_weight, cos, sin, cu_seqlens, start_pos, slots, block_table, cache)
     signature = dispatch.signature(tensors, Direction.STORE, float(eps), rope_dim, rotate,
                                    cache_format, page_size, ratio, num_tokens, num_slots)
 
-    def constants():
-        return {
-            "num_rows": rows.shape[0], "num_requests": start_pos.shape[0],
-            "num_tokens": num_tokens, "num_slots": num_slots,
-            "table_rows": max(cos.shape[0], 1), "table_width": block_table.shape[1],
-            "num_pages": cache.shape[0], "page_size": page_size,
-            "page_bytes": cache.shape[1] if cache_format == "fp8_ds_mla" else 0,
-            "ratio": ratio, "grid": rows.shape[0]}
+    def constants(key):
+        return {"num_rows": rows.shape[0], "num_requests": start_pos.shape[0],
+                "num_tokens": num_tokens, "num_slots": num_slots, "ratio": ratio,
+                "grid": rows.shape[0],
+                **_cache_constants(cos, block_table, cache, cache_format, page_size)}
 
     call = _prepared(
         signature, Direction.STORE, _STORE_INPUTS, {}, ("cache",),
@@ -158,40 +172,30 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
     the extend and store kernels run it). ``num_rows``: the call's row capacity, which
     cu_seqlens_comp[-1] must not pass (serving_store's bound)."""
     if not (STATE.store_kernel and STATE.fused_store_step and kv.is_cuda
-            and start_pos.shape[0] and cache.is_contiguous() and kv_state.is_contiguous()
-            and score_state.is_contiguous() and kv_state is not score_state):
+            and start_pos.shape[0] and _cache_taken(cache, cache_format)
+            and kv_state.is_contiguous() and score_state.is_contiguous()
+            and kv_state is not score_state):
         return None
-    if cache_format == "fp8_ds_mla" and cache.shape[1] % _DS_MLA_PAGE_ALIGN:
-        return None
+    num_requests = start_pos.shape[0]
     tensors = (kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
                norm_weight, cos, sin, block_table, cache)
     signature = dispatch.signature(tensors, Direction.EXTEND_STORE, float(eps), rope_dim,
                                    rotate, cache_format, page_size, ratio, coff, num_rows)
-    call = _PREPARED.get(signature)
-    if call is None:
-        host = dispatch.launch_path(_PREPARED)
-        key = _step_key(kv, start_pos.shape[0], norm_weight, eps, rope_dim, rotate,
-                        cache_format, ratio, coff, host)
-        if key is None:
-            return _PREPARED.remember(signature, _NOT_TAKEN)(*tensors)
-        if not host.KERNELS.ready(Direction.EXTEND_STORE, key):
-            return None  # not compiled, and a capture forbids compiling: two launches
-        constants = {
-            "num_tokens": kv.shape[0], "num_rows": num_rows,
-            "num_requests": start_pos.shape[0], "num_slots": kv_state.shape[0],
-            "table_rows": max(cos.shape[0], 1), "table_width": block_table.shape[1],
-            "num_pages": cache.shape[0], "page_size": page_size,
-            "page_bytes": cache.shape[1] if cache_format == "fp8_ds_mla" else 0,
-            "grid": host.extend_store_plan(key, start_pos.shape[0]).grid}
-        spec = CallSpec(direction=Direction.EXTEND_STORE, key=key, inputs=_STEP_INPUTS,
-                        outputs={"cuc": ("cu", None)},
-                        launches=(Launch(host.KERNELS.get(Direction.EXTEND_STORE, key),
-                                         constants),),
-                        to_float=("ape",), in_place=("kv_state", "score_state", "cache"),
-                        live="ape")
-        call = _PREPARED.remember(signature, python_call(
-            spec, current_stream_handle, kv.device.index or 0, host.multi_gpu()))
-    return call(*tensors)
+
+    def constants(key):
+        return {"num_tokens": kv.shape[0], "num_rows": num_rows, "num_requests": num_requests,
+                "num_slots": kv_state.shape[0],
+                "grid": window_plan.plan_extend_store(key, num_requests).grid,
+                **_cache_constants(cos, block_table, cache, cache_format, page_size)}
+
+    # Not compiled (a capture forbids compiling): None, so the two launches run the step.
+    call = _prepared(
+        signature, Direction.EXTEND_STORE, _STEP_INPUTS, {"cuc": ("cu", None)},
+        ("kv_state", "score_state", "cache"),
+        lambda host: _step_key(kv, num_requests, norm_weight, eps, rope_dim, rotate,
+                               cache_format, ratio, coff, host),
+        constants, kv.device.index or 0, live="ape", to_float=("ape",), compiled_only=True)
+    return None if call is None else call(*tensors)
 
 
 def _step_key(kv, num_requests: int, norm_weight, eps: float, rope_dim: int, rotate: bool,
@@ -204,7 +208,7 @@ def _step_key(kv, num_requests: int, norm_weight, eps: float, rope_dim: int, rot
         return None
     epilogue = host.epilogue_key(kv.dtype, norm_weight.dtype, kv.shape[1] // coff, rope_dim,
                                  rotate, cache_format, eps, problem.key.arch)
-    return None if epilogue is None else host.extend_store_key(problem.key, epilogue)
+    return None if epilogue is None else window_plan.extend_store_key(problem.key, epilogue)
 
 
 def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight, eps: float,
@@ -220,7 +224,7 @@ def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight,
     signature = dispatch.signature(tensors, Direction.EPILOGUE, float(eps), rope_dim, rotate,
                                    offsets, ratio)
 
-    def constants():
+    def constants(key):
         return {"num_rows": rows.shape[0], "num_segs": cu_seqlens_comp.shape[0] - 1,
                 "table_rows": max(cos.shape[0], 1), "ratio": ratio, "grid": rows.shape[0]}
 
@@ -252,7 +256,7 @@ def launch_rows_backward(grad_out, rows, cu_seqlens_comp, position_offset, ratio
     signature = dispatch.signature(tensors, Direction.EPILOGUE_BACKWARD, float(eps), rope_dim,
                                    rotate, offsets, ratio)
 
-    def constants():
+    def constants(key):
         return {"num_rows": num_rows, "num_segs": cu_seqlens_comp.shape[0] - 1,
                 "table_rows": max(cos.shape[0], 1), "ratio": ratio,
                 "rows_per_cta": rows_per_cta, "grid": grid}
