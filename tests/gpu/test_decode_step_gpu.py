@@ -206,3 +206,33 @@ def test_a_captured_step_replays_the_one_launch_bytes():
     graph.replay()
     torch.cuda.synchronize()
     assert_same_step(replayed, graph_cuc, eager, eager_cuc)
+
+
+def test_a_capture_without_the_fused_kernel_runs_the_two_launches(monkeypatch):
+    """A capture whose fused kernel was never compiled (nor is in the disk cache) cannot
+    compile it: the step captures as the extend and store kernels, which replay the same
+    bytes, and nothing is compiled during the capture."""
+    from csa_ops import host
+
+    monkeypatch.setenv("CSA_OPS_CACHE", "0")
+    case, eps = CASES[0], 3e-6  # an epsilon no other test compiles a fused kernel for
+    csa_ops.precompile_store(case.head_dim, case.cache_format, case.rope_dim, case.rotate,
+                             eps, case.dtype, case.weight_dtype)  # the store kernel alone
+    csa_ops.precompile_extend(case.ratio, case.head_dim, case.coff, case.dtype)
+    step = Step(case, [1] * 16, seed=11)
+    eager = step.args()
+    eager[9] = eps
+    with row_epilogue.two_launch_step():
+        eager_cuc = STORE(*eager)
+    replayed = step.args()
+    replayed[9] = eps
+    compiled = host.KERNELS.info()["size"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_cuc = STORE(*replayed)
+    assert host.KERNELS.info()["size"] == compiled, "a kernel was loaded during the capture"
+    for i, t in ((6, step.kv_state), (7, step.score_state), (15, step.cache)):
+        replayed[i].copy_(t.to(DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_step(replayed, graph_cuc, eager, eager_cuc)
