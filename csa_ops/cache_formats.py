@@ -4,6 +4,8 @@ Neither torch nor the DSL is imported here. docs/epilogue.md has the byte layout
 
 from __future__ import annotations
 
+import math
+
 FORMATS = ("none", "fp8_ds_mla", "fp8_block128", "mxfp4")
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 FP4_MAX = 6.0  # e2m1's
@@ -27,3 +29,13 @@ def row_bytes(cache_format: str, head_dim: int) -> int:
     if cache_format == "fp8_block128":
         return head_dim + 4 * (head_dim // BLOCK_COLUMNS["fp8_block128"])
     return head_dim // 2 + head_dim // BLOCK_COLUMNS["mxfp4"]
+
+
+def top_parts(top: float) -> tuple[int, int]:
+    """(t, g) of a scale top written 2**t * (1 + g / 2**23): what an exponent
+    ceil(log2(x / top)) of an fp32 x = 2**E * (1 + m / 2**23) needs, E - t, plus one where
+    m > g. That is the exponent of the quotient rounded to fp32 too, since no fp32 value lies
+    strictly between top * 2**e and top * 2**e * (1 + 2**-24), the largest quotient that
+    still rounds to 2**e (checked against the division for every positive fp32 x)."""
+    mantissa, exponent = math.frexp(top)  # top = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return exponent - 1, int((2 * mantissa - 1) * 2**23)

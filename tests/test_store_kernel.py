@@ -7,13 +7,14 @@ contract rests on, and the key's and support's rules. Their bytes are tested on 
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 import torch
 
 import csa_ops
-from csa_ops import compile_cache, host
+from csa_ops import cache_formats, compile_cache, host, reference_epilogue
 from csa_ops.config import ARCHS, Direction
 from csa_ops.kernels.epilogue import plan
 
@@ -234,3 +235,24 @@ def test_the_decode_step_key_holds_its_two_keys_together():
         ExtendStoreKey(with_knobs(step.extend, vec=2, threads=256), epilogue)
     with pytest.raises(ValueError, match="in the epilogue's CTA"):  # row items: another CTA's
         ExtendStoreKey(with_knobs(step.extend, request_rows=False), epilogue)
+
+
+@pytest.mark.parametrize("cache_format", sorted(cache_formats.SCALE_TOP))
+def test_the_scale_exponent_from_bits_is_the_reference_quotients(cache_format):
+    """The kernels take a power-of-two scale's exponent from the bits of max(amax, floor)
+    and the top's two parts (cache_formats.top_parts), with no division: for every fp32
+    exponent, at the mantissas around the rule's threshold and at random ones, it is the
+    reference's ceil(log2(divide(x, top))) of the quotient rounded to fp32."""
+    top, floor = cache_formats.SCALE_TOP[cache_format], cache_formats.SCALE_FLOOR[cache_format]
+    t, g = cache_formats.top_parts(top)
+    assert math.ldexp(1 + g / 2**23, t) == top
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0, 1, g - 1, g, g + 1, 2**23 - 1], dtype=torch.int64)
+    mantissas = torch.cat([edges, torch.randint(0, 2**23, (2048,), generator=gen)])
+    exponents = torch.arange(0, 255, dtype=torch.int64)  # +0, subnormals and every normal
+    bits = ((exponents[:, None] << 23) | mantissas[None, :]).flatten().to(torch.int32)
+    x = bits.view(torch.float32).clamp(min=floor)
+    want = reference_epilogue.ceil_log2(reference_epilogue.divide(x, top))
+    b = x.view(torch.int32)
+    got = (b >> 23) - 127 - t + ((b & 0x7FFFFF) > g).to(torch.int32)
+    assert torch.equal(got, want)

@@ -27,6 +27,7 @@ from ...cache_formats import (
     SCALE_TOP,
     UE8M0_NAN,
     row_bytes,
+    top_parts,
 )
 from ..shared import common as cm
 from ..shared import formats as fm
@@ -51,30 +52,31 @@ class RowEpilogueStore(RowEpilogue):
         self.block_lanes = doublings(max(self.block // self.V, 1))  # its shuffle offsets
         if self.block:
             self.row_bytes = row_bytes(key.cache_format, key.head_dim)
+        if key.cache_format in SCALE_TOP:  # the power-of-two scales' exponent rule
+            self.top_parts = top_parts(SCALE_TOP[key.cache_format])
 
     @cute.jit
     def block_amax(self, rZ: cute.Tensor):
-        """(amax, finite) of the scale block of this thread's contiguous columns: the lanes
-        of a block are neighbours, reduced by shuffles."""
-        amax = Float32(0.0)
-        bad = Float32(0.0)
+        """(amax bits, finite) of the scale block of this thread's contiguous columns: one
+        integer max of the magnitudes' bits, which orders non-negative floats as their
+        values do and puts Inf and NaN above every finite value. The lanes of a block are
+        neighbours, reduced by shuffles."""
+        amax = Uint32(0)
         for k in cutlass.range_constexpr(self.V):
-            amax = cute.arch.fmax(amax, fm.abs_bits(rZ[k]))
-            bad = cute.arch.fmax(bad, cm.pick(fm.finite(rZ[k]), Float32(0.0), Float32(1.0)))
+            amax = cutlass.max(amax, rZ[k].bitcast(Uint32) & Uint32(fm.MAGNITUDE))
         for s in cutlass.range_constexpr(len(self.block_lanes)):
-            offset = self.block_lanes[s]
-            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset))
-            bad = cute.arch.fmax(bad, cute.arch.shuffle_sync_bfly(bad, offset=offset))
-        return amax, bad == Float32(0.0)
+            amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax,
+                                                                 offset=self.block_lanes[s]))
+        return amax, amax < Uint32(fm.INF_BITS)
 
     @cute.jit
-    def pow2_scale(self, amax: Float32, finite: Boolean):
-        """(2**-e, e) with e = ceil(log2(max(amax, floor) / top)); e = 0 off finite blocks."""
-        floor = Float32(SCALE_FLOOR[self.format])
+    def pow2_scale(self, amax: Uint32, finite: Boolean):
+        """(2**-e, e) with e = ceil(log2(max(amax, floor) / top)), the quotient rounded to
+        fp32; e = 0 off finite blocks."""
+        floor = Float32(SCALE_FLOOR[self.format]).bitcast(Uint32)
         e = Int32(0)
         if finite:
-            e = fm.ceil_log2(cm.div_rn(cute.arch.fmax(amax, floor),
-                                     Float32(SCALE_TOP[self.format])))
+            e = fm.scale_exponent(cutlass.max(amax, floor), *self.top_parts)
         return fm.pow2(-e), e
 
     @cute.jit
@@ -119,7 +121,7 @@ class RowEpilogueStore(RowEpilogue):
         """e4m3 codes of x / scale, scale = amax / 448 in fp32 after the codes: zero codes
         and scale where it is 0, NaN codes and scale off finite blocks."""
         amax, finite = self.block_amax(rZ)
-        scale = cm.div_rn(amax, Float32(FP8_MAX))
+        scale = cm.div_rn(amax.bitcast(Float32), Float32(FP8_MAX))
         usable = finite and scale > Float32(0.0)
         column = tid * self.V
         rB = cute.make_rmem_tensor((self.V,), Uint8)

@@ -1,28 +1,23 @@
 """The cache formats' element encodings on the device, bit for bit those of
 csa_ops.reference_epilogue: e4m3 (saturating, round to nearest even, by the hardware
-conversion), e2m1 codes, UE8M0 exponents and powers of two from the bits, and the finite
-test and absolute value as bit operations (no NaN-dropping compare)."""
+conversion), e2m1 codes, UE8M0 exponents and powers of two from the bits, and the absolute
+value as a bit operation (no NaN-dropping compare)."""
 
 from __future__ import annotations
 
 import cutlass
-from cutlass import Boolean, Float32, Int32, Int64, Uint8, Uint32, cute
+from cutlass import Float32, Int32, Int64, Uint8, Uint32, cute
 
 from ...cache_formats import FP4_MAX, FP8_MAX
 from . import common as cm
 
-_MAGNITUDE, _INF_BITS = 0x7FFFFFFF, 0x7F800000
+MAGNITUDE, INF_BITS = 0x7FFFFFFF, 0x7F800000
 _ROUND_INTEGER = 2.0**23  # y + 2**23 - 2**23 rounds 0 <= y < 2**22 to an integer, half even
 
 
 @cute.jit
 def abs_bits(x: Float32) -> Float32:
-    return (x.bitcast(Uint32) & Uint32(_MAGNITUDE)).bitcast(Float32)
-
-
-@cute.jit
-def finite(x: Float32) -> Boolean:
-    return (x.bitcast(Uint32) & Uint32(_MAGNITUDE)) < Uint32(_INF_BITS)
+    return (x.bitcast(Uint32) & Uint32(MAGNITUDE)).bitcast(Float32)
 
 
 @cute.jit
@@ -31,6 +26,16 @@ def ceil_log2(v: Float32) -> Int32:
     bits = v.bitcast(Uint32)
     exponent = Int32((bits >> 23) & Uint32(0xFF)) - 127
     if (bits & Uint32(0x7FFFFF)) != Uint32(0):
+        exponent = exponent + 1
+    return exponent
+
+
+@cute.jit
+def scale_exponent(magnitude_bits: Uint32, top_exponent: int, top_mantissa: int) -> Int32:
+    """ceil(log2(x / top)) of the quotient rounded to fp32, from the bits of a positive
+    normal x: no division (cache_formats.top_parts has the rule and why it is exact)."""
+    exponent = Int32(magnitude_bits >> 23) - (127 + top_exponent)
+    if (magnitude_bits & Uint32(0x7FFFFF)) > Uint32(top_mantissa):
         exponent = exponent + 1
     return exponent
 
