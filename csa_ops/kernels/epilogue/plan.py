@@ -1,11 +1,11 @@
 """Row-epilogue kernels, host side: the compile key and the CTA shape. Pure Python, no DSL.
 
 A CTA owns one pooled row of ``head_dim`` columns. Its ``threads`` threads hold ``vec``
-contiguous columns each (thread t: columns [t * vec, (t + 1) * vec)), the pooling kernels'
-layout: a row loads and stores as one vector per thread, a RoPE pair is inside a thread, a
-scale block of 32, 64 or 128 columns is a few neighbouring lanes, and the mean's pairwise
-tree and the rotation's butterflies (column j with j + w/2) cross warps, then lanes, then
-the columns of a thread.
+columns each, in two layouts: strided (thread t: columns t, t + threads, ...) while the row
+is normalized, turned and rotated, because there the pairwise tree of the mean and the
+butterflies of the rotation pair column j with j + w/2 (first inside a thread, then across
+threads by shuffles); contiguous (thread t: columns [t * vec, (t + 1) * vec)) while it is
+encoded, because there a scale block of 32, 64 or 128 columns is a few neighbouring lanes.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The row epilogue's steps, shared by its kernels: RMSNorm, RoPE at a row's position and
-the Hadamard rotation of one pooled row per CTA, in the contiguous layout (plan.py).
+the Hadamard rotation of one pooled row per CTA, in the strided layout (plan.py).
 
 Every step is the reference's operation for operation (csa_ops/reference_epilogue.py): fp32
 arithmetic with each product and sum rounded on its own (common.*_rn: no contracted FMA),
@@ -42,17 +42,12 @@ class RowEpilogue:
         self.pdl = key.pdl
         self.eps = key.eps
         self.rotate_scale = key.head_dim**-0.5
-        # Compile-time step lists: the mean's tree levels across warps, across lanes and in
-        # a thread; the rotation's in-thread strides and lane strides.
-        self.warps = max(self.T // 32, 1)
-        self.tree_lanes = halvings(min(self.T, 32))
+        # Compile-time step lists: in-thread halvings of the mean's tree and its lane
+        # halvings; the rotation's lane strides and in-thread strides.
         self.tree_widths = halvings(self.V)
-        self.thread_strides = doublings(self.V)
+        self.tree_lanes = halvings(self.T)
         self.lane_strides = doublings(self.T)
-
-    def column(self, tid: Int32, k: int):
-        """This thread's k-th column: thread t holds columns [t * vec, (t + 1) * vec)."""
-        return tid * self.V + k
+        self.thread_strides = doublings(self.V)
 
     # ------------------------------------------------------------ cross-thread exchanges
     @cute.jit
@@ -66,47 +61,45 @@ class RowEpilogue:
                 rO[k] = cute.arch.shuffle_sync_bfly(rX[k], offset=stride)
         else:
             for k in cutlass.range_constexpr(self.V):
-                sX[self.column(tid, k)] = rX[k]
+                sX[tid + k * self.T] = rX[k]
             cute.arch.sync_threads()
             for k in cutlass.range_constexpr(self.V):
-                rO[k] = sX[self.column(tid ^ stride, k)]
+                rO[k] = sX[(tid ^ stride) + k * self.T]
             cute.arch.sync_threads()
         return rO
 
     @cute.jit
     def row_sum(self, values: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
-        """The pairwise tree of reference_epilogue.row_mean over the row (column j plus
-        column j + w/2, w halving from head_dim), on every thread; ``values`` is spent. Its
-        widest levels pair lanes of different warps: those go through shared memory once
-        (each thread reads its lane's values in every warp and adds them in the tree's
-        order itself, so one barrier publishes them and none broadcasts a result). The
-        levels inside a warp are butterflies (x + y on one lane, y + x on its partner: the
-        same value), the last ones inside a thread."""
-        if cutlass.const_expr(self.warps > 1):
-            for k in cutlass.range_constexpr(self.V):
-                sX[self.column(tid, k)] = values[k]
-            cute.arch.sync_threads()
-            rP = cute.make_rmem_tensor((self.warps, self.V), Float32)
-            for m in cutlass.range_constexpr(self.warps):
-                for k in cutlass.range_constexpr(self.V):
-                    rP[m, k] = sX[self.column(tid % 32 + 32 * m, k)]
-            for level in cutlass.range_constexpr(len(halvings(self.warps))):
-                half = halvings(self.warps)[level]
-                for m in cutlass.range_constexpr(half):
-                    for k in cutlass.range_constexpr(self.V):
-                        rP[m, k] = cm.add_rn(rP[m, k], rP[m + half, k])
-            for k in cutlass.range_constexpr(self.V):
-                values[k] = rP[0, k]
-            cute.arch.sync_threads()  # every read is done before sX is written again
-        for level in cutlass.range_constexpr(len(self.tree_lanes)):
-            for k in cutlass.range_constexpr(self.V):
-                values[k] = cm.add_rn(values[k], cute.arch.shuffle_sync_bfly(
-                    values[k], offset=self.tree_lanes[level]))
-        for level in cutlass.range_constexpr(len(self.tree_widths)):
-            width = self.tree_widths[level]
+        """The pairwise tree of reference_epilogue.row_mean over the strided row (column j
+        plus column j + w/2, w halving from head_dim), on every thread. The tree's levels
+        between warps (lane strides of 32 and up) go through shared memory once: each
+        thread reads the partial sums of its lane in every warp and adds them in the
+        tree's order itself, so one barrier publishes them and none broadcasts the root.
+        The levels inside a warp are butterflies: x + y on one lane, y + x on its partner,
+        the same value, so every lane ends with the root."""
+        for step in cutlass.range_constexpr(len(self.tree_widths)):
+            width = self.tree_widths[step]
             for k in cutlass.range_constexpr(width):
                 values[k] = cm.add_rn(values[k], values[k + width])
-        return values[0]
+        total = values[0]
+        warps = self.T // 32
+        if cutlass.const_expr(warps > 1):
+            sX[tid] = total
+            cute.arch.sync_threads()
+            rP = cute.make_rmem_tensor((warps,), Float32)
+            for m in cutlass.range_constexpr(warps):
+                rP[m] = sX[tid % 32 + 32 * m]
+            for width in cutlass.range_constexpr(len(halvings(warps))):
+                half = halvings(warps)[width]
+                for m in cutlass.range_constexpr(half):
+                    rP[m] = cm.add_rn(rP[m], rP[m + half])
+            total = rP[0]
+            cute.arch.sync_threads()  # every read is done before sX is written again
+        for step in cutlass.range_constexpr(len(self.tree_lanes)):
+            stride = self.tree_lanes[step]
+            if cutlass.const_expr(stride < 32):
+                total = cm.add_rn(total, cute.arch.shuffle_sync_bfly(total, offset=stride))
+        return total
 
     def mean(self, total: Float32) -> Float32:
         """total / head_dim, correctly rounded: head_dim is a power of two, so the product
@@ -120,7 +113,7 @@ class RowEpilogue:
 
     @cute.jit
     def inverse_rms(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32) -> Float32:
-        """1 / sqrt(mean(x^2) + eps) of the row, on every thread: the correctly
+        """1 / sqrt(mean(x^2) + eps) of the strided row, on every thread: the correctly
         rounded root, then an IEEE division (reference_epilogue.inverse_rms)."""
         rSq = cute.make_rmem_tensor((self.V,), Float32)
         for k in cutlass.range_constexpr(self.V):
@@ -139,28 +132,36 @@ class RowEpilogue:
     @cute.jit
     def rope(self, rX: cute.Tensor, angles, tid: Int32,
              transpose: cutlass.Constexpr[bool] = False):
-        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns, each inside a thread, turned
-        by ``angles`` (load_angles). ``transpose`` turns them back (the backward)."""
+        """GPT-J pairs (2i, 2i+1) of the last rope_dim columns: neighbouring lanes, turned by
+        ``angles`` (load_angles). ``transpose`` turns them back (the backward)."""
         rCos, rSin = angles
-        for j in cutlass.range_constexpr(self.V // 2):
-            k = 2 * j
+        odd = (tid & 1) == 1
+        for k in cutlass.range_constexpr(self.V):
+            partner = cute.arch.shuffle_sync_bfly(rX[k], offset=1)
             if self.rope_column(tid, k):
-                c, s = rCos[j], rSin[j]
-                even, odd = rX[k], rX[k + 1]
+                c, s = rCos[k], rSin[k]
+                x = rX[k]
                 if cutlass.const_expr(transpose):
-                    # even * cos + odd * sin, odd * cos - even * sin
-                    rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(even, c), cm.mul_rn(odd, s)))
-                    rX[k + 1] = self.to_dtype(cm.sub_rn(cm.mul_rn(odd, c), cm.mul_rn(even, s)))
+                    if odd:  # odd * cos - even * sin
+                        rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(x, c), cm.mul_rn(partner, s)))
+                    else:  # even * cos + odd * sin
+                        rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(x, c), cm.mul_rn(partner, s)))
                 else:
-                    # even * cos - odd * sin, even * sin + odd * cos
-                    rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(even, c), cm.mul_rn(odd, s)))
-                    rX[k + 1] = self.to_dtype(cm.add_rn(cm.mul_rn(even, s), cm.mul_rn(odd, c)))
+                    if odd:  # even * sin + odd * cos
+                        rX[k] = self.to_dtype(cm.add_rn(cm.mul_rn(partner, s), cm.mul_rn(x, c)))
+                    else:  # even * cos - odd * sin
+                        rX[k] = self.to_dtype(cm.sub_rn(cm.mul_rn(x, c), cm.mul_rn(partner, s)))
 
     @cute.jit
     def hadamard(self, rX: cute.Tensor, sX: cute.Tensor, tid: Int32):
         """Butterflies of stride 1, 2, ..., head_dim / 2 (low + high, low - high), then the
-        scale d**-0.5 in fp32: inside a thread while the stride is below `vec`, then
-        across lanes."""
+        scale d**-0.5 in fp32: across lanes while the stride is below `threads`."""
+        for s in cutlass.range_constexpr(len(self.lane_strides)):
+            stride = self.lane_strides[s]
+            high = (tid & stride) != 0
+            rO = self.partners(rX, stride, sX, tid)
+            for k in cutlass.range_constexpr(self.V):
+                rX[k] = cm.pick(high, cm.sub_rn(rO[k], rX[k]), cm.add_rn(rX[k], rO[k]))
         for s in cutlass.range_constexpr(len(self.thread_strides)):
             step = self.thread_strides[s]
             for k in cutlass.range_constexpr(self.V):
@@ -168,12 +169,6 @@ class RowEpilogue:
                     low, high_value = rX[k], rX[k + step]
                     rX[k] = cm.add_rn(low, high_value)
                     rX[k + step] = cm.sub_rn(low, high_value)
-        for s in cutlass.range_constexpr(len(self.lane_strides)):
-            stride = self.lane_strides[s]
-            high = (tid & stride) != 0
-            rO = self.partners(rX, stride, sX, tid)
-            for k in cutlass.range_constexpr(self.V):
-                rX[k] = cm.pick(high, cm.sub_rn(rO[k], rX[k]), cm.add_rn(rX[k], rO[k]))
         for k in cutlass.range_constexpr(self.V):
             rX[k] = self.to_dtype(cm.mul_rn(rX[k], Float32(self.rotate_scale)))
 
@@ -182,33 +177,19 @@ class RowEpilogue:
     # before the first instruction that waits (its row lookup, a barrier), so that their
     # latencies overlap instead of adding up.
     def rope_column(self, tid: Int32, k: int):
-        """Whether this thread's k-th column is a RoPE column."""
-        return self.column(tid, k) >= self.D - self.rope_dim
+        """Whether this thread's k-th strided column is a RoPE column."""
+        return tid + k * self.T >= self.D - self.rope_dim
 
     def row_registers(self) -> cute.Tensor:
         return cute.make_rmem_tensor((self.V,), Float32)
 
     @cute.jit
     def fill_row(self, rX: cute.Tensor, p_rows, n, tid: Int32):
-        """rX <- this thread's columns of row n of a packed (rows, head_dim) tensor of the
-        row dtype, in fp32 (one vector load: rows are aligned to whole threads' columns)."""
-        rV = cute.make_rmem_tensor((self.V,), self.dtype)
-        cute.autovec_copy(self.thread_columns(p_rows, n, tid), rV)
+        """rX <- row n of a packed (rows, head_dim) tensor of the row dtype, strided, in
+        fp32."""
+        row = cute.make_tensor(p_rows + Int64(n) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
-            rX[k] = Float32(rV[k])
-
-    @cute.jit
-    def store_row(self, rX: cute.Tensor, p_rows, n, tid: Int32, dtype: cutlass.Constexpr):
-        """This thread's columns of row n of a packed (rows, head_dim) tensor of ``dtype``
-        <- rX (one vector store)."""
-        rV = cute.make_rmem_tensor((self.V,), dtype)
-        for k in cutlass.range_constexpr(self.V):
-            rV[k] = dtype(rX[k])
-        cute.autovec_copy(rV, self.thread_columns(p_rows, n, tid))
-
-    def thread_columns(self, p_rows, n, tid: Int32) -> cute.Tensor:
-        offset = Int64(n) * self.D + Int64(self.column(tid, 0))
-        return cute.make_tensor(p_rows + cute.assume(offset, divby=self.V), self.V)
+            rX[k] = Float32(row[tid + k * self.T])
 
     @cute.jit
     def load_row(self, p_rows, n, tid: Int32) -> cute.Tensor:
@@ -218,18 +199,16 @@ class RowEpilogue:
 
     @cute.jit
     def load_weight(self, p_weight, tid: Int32) -> cute.Tensor:
-        """The norm weight's columns of this thread, in fp32."""
+        """The norm weight's strided columns, in fp32."""
         weight = cute.make_tensor(p_weight, self.D)
         rWeight = self.row_registers()
         for k in cutlass.range_constexpr(self.V):
-            rWeight[k] = Float32(weight[self.column(tid, k)])
+            rWeight[k] = Float32(weight[tid + k * self.T])
         return rWeight
 
     def angle_registers(self):
-        """(cos, sin) registers for load_angles, one per column pair of the thread (zeros:
-        pairs without RoPE never read)."""
-        rCos = cute.make_rmem_tensor((self.V // 2,), Float32)
-        rSin = cute.make_rmem_tensor((self.V // 2,), Float32)
+        """(cos, sin) registers for load_angles (zeros: columns without RoPE never read)."""
+        rCos, rSin = self.row_registers(), self.row_registers()
         rCos.fill(0.0)
         rSin.fill(0.0)
         return rCos, rSin
@@ -237,7 +216,7 @@ class RowEpilogue:
     @cute.jit
     def load_angles(self, angles, p_cos, p_sin, position: Int64, table_rows: Int32,
                     tid: Int32):
-        """angles <- (cos, sin) of this thread's RoPE pairs at ``position``, clamped into
+        """angles <- (cos, sin) of this thread's RoPE columns at ``position``, clamped into
         the tables as the reference's lookup is."""
         if cutlass.const_expr(self.rope_dim > 0):
             rCos, rSin = angles
@@ -245,11 +224,11 @@ class RowEpilogue:
             table_row = cutlass.min(cutlass.max(position, Int64(0)), Int64(table_rows) - 1)
             cos = cute.make_tensor(p_cos + table_row * half, half)
             sin = cute.make_tensor(p_sin + table_row * half, half)
-            for j in cutlass.range_constexpr(self.V // 2):
-                if self.rope_column(tid, 2 * j):
-                    pair = (self.column(tid, 2 * j) - (self.D - self.rope_dim)) // 2
-                    rCos[j] = cos[pair]
-                    rSin[j] = sin[pair]
+            for k in cutlass.range_constexpr(self.V):
+                if self.rope_column(tid, k):
+                    pair = (tid + k * self.T - (self.D - self.rope_dim)) // 2
+                    rCos[k] = cos[pair]
+                    rSin[k] = sin[pair]
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a CTA: the row's fp32 buffer (cta), then what
@@ -270,7 +249,7 @@ class RowEpilogue:
     @cute.jit
     def finish_row(self, rX: cute.Tensor, rWeight: cute.Tensor, angles, sRow: cute.Tensor,
                    tid: Int32):
-        """rX (this thread's columns of a pooled row) <- after RMSNorm, RoPE by ``angles`` and the rotation,
+        """rX (a pooled row, strided) <- after RMSNorm, RoPE by ``angles`` and the rotation,
         in the row dtype's values."""
         self.rms_norm(rX, rWeight, sRow, tid)
         if cutlass.const_expr(self.rope_dim > 0):

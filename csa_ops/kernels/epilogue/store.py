@@ -280,10 +280,17 @@ class RowEpilogueStore(RowEpilogue):
     @cute.jit
     def finish_and_store(self, rX: cute.Tensor, rWeight: cute.Tensor, angles,
                          sRow: cute.Tensor, p_cache, data: Int64, scale: Int64, tid: Int32):
-        """A pooled row (this thread's columns, in rX) through the epilogue (finish_row),
-        encoded and stored at row_target's offsets; every thread of the CTA calls it."""
+        """A pooled row (strided, in rX) through the epilogue (finish_row), encoded and
+        stored at row_target's offsets; every thread of the CTA calls it."""
         self.finish_row(rX, rWeight, angles, sRow, tid)
-        self.encode(rX, p_cache, data, scale, tid)
+        # Strided to contiguous through shared memory.
+        for k in cutlass.range_constexpr(self.V):
+            sRow[tid + k * self.T] = rX[k]
+        cute.arch.sync_threads()
+        rZ = cute.make_rmem_tensor((self.V,), Float32)
+        for k in cutlass.range_constexpr(self.V):
+            rZ[k] = sRow[tid * self.V + k]
+        self.encode(rZ, p_cache, data, scale, tid)
 
     @cute.jit
     def encode(self, rZ: cute.Tensor, p_cache, data: Int64, scale: Int64, tid: Int32):

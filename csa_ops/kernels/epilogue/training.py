@@ -25,7 +25,7 @@ _SUM_SPLIT = 32  # grad_weight's sum: warps per CTA, each adding every 32nd part
 
 
 class RowEpilogueRows(RowEpilogue):
-    """Training: the epilogue of csa::compressor's rows, packed."""
+    """Training: the epilogue of csa::compressor's rows, packed (strided stores)."""
 
     def __init__(self, key: EpilogueKey) -> None:
         super().__init__(key)
@@ -61,9 +61,9 @@ class RowEpilogueRows(RowEpilogue):
         rX = self.load_row(p_rows, n, tid)
         if valid:
             self.finish_row(rX, rWeight, angles, sRow, tid)
+        out = cute.make_tensor(p_out + Int64(n) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
-            rX[k] = cm.pick(valid, rX[k], Float32(0.0))
-        self.store_row(rX, p_out, n, tid, self.dtype)
+            out[tid + k * self.T] = self.dtype(cm.pick(valid, rX[k], Float32(0.0)))
 
     @cute.jit
     def __call__(self, p_rows: cute.Pointer, p_weight: cute.Pointer, p_cos: cute.Pointer,
@@ -89,7 +89,7 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
     @cute.jit
     def row_gradient(self, rG: cute.Tensor, rX: cute.Tensor, rWeight: cute.Tensor, angles,
                      sRow: cute.Tensor, tid: Int32, rW: cute.Tensor):
-        """rG (the epilogue's output gradient of pooled row rX) <- the gradient of
+        """rG (the epilogue's output gradient of pooled row rX, strided) <- the gradient of
         the pooled row, in the row dtype's values; rW += this row's grad * normed. rX is
         spent."""
         # The forward's steps in reverse, each transposed: the rotation is its own.
@@ -164,12 +164,15 @@ class RowEpilogueRowsBackward(RowEpilogueRows):
                 rG, rX, angles = current
                 if valid:  # padding rows add nothing
                     self.row_gradient(rG, rX, rWeight, angles, sRow, tid, rW)
+                grad_rows = cute.make_tensor(p_grad_rows + Int64(n) * self.D, self.D)
                 for k in cutlass.range_constexpr(self.V):
-                    rG[k] = cm.pick(valid, rG[k], Float32(0.0))
-                self.store_row(rG, p_grad_rows, n, tid, self.dtype)
+                    grad_rows[tid + k * self.T] = self.dtype(cm.pick(valid, rG[k],
+                                                                     Float32(0.0)))
                 self.move(upcoming, current)
             cute.arch.sync_threads()  # the chunk's positions are read before the next's
-        self.store_row(rW, p_partials, cta, tid, Float32)
+        partial = cute.make_tensor(p_partials + Int64(cta) * self.D, self.D)
+        for k in cutlass.range_constexpr(self.V):
+            partial[tid + k * self.T] = rW[k]
 
     @cute.jit
     def __call__(self, p_grad: cute.Pointer, p_rows: cute.Pointer, p_weight: cute.Pointer,

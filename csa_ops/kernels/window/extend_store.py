@@ -5,9 +5,9 @@ does, and takes each row straight through the row epilogue into the paged cache.
 Apart, the step is two launches: the extend kernel writes packed rows, and the store kernel
 (kernels/epilogue/store.py) waits for that whole grid before it reads them back. Here the
 CTA is both: its threads are the epilogue's (`threads` threads of `vec` columns over the
-whole row, plan.extend_store_key), and the pooling's columns of a thread are the
-epilogue's, so a pooled row goes from registers to the epilogue as it is, with no packed
-rows, no second grid and no wait between them. The pooling
+whole row, plan.extend_store_key), so a pooled row goes from registers to the epilogue
+through one shared-memory transpose (the pooling's contiguous columns to the epilogue's
+strided ones), with no packed rows, no second grid and no wait between them. The pooling
 is the extend kernel's code (the forward key's softmax: the same bits), the epilogue and
 the encoding the store kernel's, so the cache holds the two-launch step's bytes. Every
 branch around a barrier depends on the CTA's request only, the same for all its threads.
@@ -43,15 +43,21 @@ class WindowExtendStore(WindowExtend):
 
     @cute.jit
     def emit(self, rO: cute.Tensor, place, rWeight, angles, sRow: cute.Tensor, p_cache,
-             tid: Int32):
-        """A pooled row (this thread's columns, the row dtype) through the epilogue into the
-        cache, where the row writes; ``place``: target's (writes, data offset, scale
-        offset). The pooling's columns are the epilogue's: no exchange between them."""
+             tid: Int32, after_row: cutlass.Constexpr[bool] = True):
+        """A pooled row (contiguous, the row dtype) through the epilogue into the cache, where
+        the row writes; ``place``: target's (writes, data offset, scale offset);
+        ``after_row``: an earlier row may have used sRow."""
         writes, data, scale = place
         if writes:
+            if cutlass.const_expr(after_row):
+                cute.arch.sync_threads()  # the earlier row's readers of sRow are done
+            for k in cutlass.range_constexpr(self.V):
+                sRow[tid * self.V + k] = Float32(rO[k])
+            cute.arch.sync_threads()
             rX = self.epi.row_registers()
             for k in cutlass.range_constexpr(self.V):
-                rX[k] = Float32(rO[k])
+                rX[k] = sRow[tid + k * self.nt]
+            cute.arch.sync_threads()  # the epilogue's exchanges reuse sRow
             self.epi.finish_and_store(rX, rWeight, angles, sRow, p_cache, data, scale, tid)
 
     @cute.kernel
@@ -117,7 +123,7 @@ class WindowExtendStore(WindowExtend):
                             table_width, num_pages, page_size, page_bytes, tid)
                     self.finish_logits(rSc, rL, sApe, q0 + h, start, tid)
                     self.emit(self.pooled_row(rKV, rL, q0 + h), (writes, data, scale), rWeight,
-                              angles, sRow, p_cache, tid)
+                              angles, sRow, p_cache, tid, h > 0)
             if decode:  # a decode request has one head row at most: the window's still held
                 self.store_decode(p_kvs, p_ss, sApe, rKV, rL, rNK, rNS, rMK, rML, start, slot,
                                   heads, tid, tid)
