@@ -30,12 +30,13 @@ BWD_OUTPUTS = {"grad_kv": ("kv", None), "grad_score": ("score", None),
 BWD_CONSTANTS = {"num_tokens": 12, "num_rows": 3, "num_segs": 1, "grid": 7}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def background_build(tmp_path_factory):
     """The library built as a process's first use builds it: module() finds none, starts
     one detached build and carries on without it. What that first use saw, for the test of
     that path; the library, for the tests that load it (a build takes most of a minute: one
-    per test process serves both)."""
+    per test process serves both: session-scoped, so a worker that interleaves this module's
+    tests with others' does not build it again)."""
     root = tmp_path_factory.mktemp("native-cache")
     path = native.library_path(root)
     marker = path.with_suffix(".building")
@@ -53,7 +54,7 @@ def background_build(tmp_path_factory):
     return {"root": root, "first_use": first_use, "marker_at_first_use": marker_at_first_use}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def built_root(background_build):
     return background_build["root"]
 
