@@ -21,16 +21,6 @@ def abs_bits(x: Float32) -> Float32:
 
 
 @cute.jit
-def ceil_log2(v: Float32) -> Int32:
-    """ceil(log2(v)) of a positive normal fp32 value, from its bits (exact)."""
-    bits = v.bitcast(Uint32)
-    exponent = Int32((bits >> 23) & Uint32(0xFF)) - 127
-    if (bits & Uint32(0x7FFFFF)) != Uint32(0):
-        exponent = exponent + 1
-    return exponent
-
-
-@cute.jit
 def scale_exponent(magnitude_bits: Uint32, top_exponent: int, top_mantissa: int) -> Int32:
     """ceil(log2(x / top)) of the quotient rounded to fp32, from the bits of a positive
     normal x: no division (cache_formats.top_parts has the rule and why it is exact)."""
