@@ -18,7 +18,7 @@ import torch
 from helpers import assert_bitwise_equal
 
 import csa_ops
-from csa_ops import CompressorState, row_epilogue, serving_store
+from csa_ops import CompressorState, host, row_epilogue, serving_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -212,8 +212,6 @@ def test_a_capture_without_the_fused_kernel_runs_the_two_launches(monkeypatch):
     """A capture whose fused kernel was never compiled (nor is in the disk cache) cannot
     compile it: the step captures as the extend and store kernels, which replay the same
     bytes, and nothing is compiled during the capture."""
-    from csa_ops import host
-
     monkeypatch.setenv("CSA_OPS_CACHE", "0")
     case, eps = CASES[0], 3e-6  # an epsilon no other test compiles a fused kernel for
     csa_ops.precompile_store(case.head_dim, case.cache_format, case.rope_dim, case.rotate,
