@@ -66,8 +66,8 @@ def _launches(key, backward, sets, sms):
             tensors = (grad_out, kv, score, ape, cu, cuc, *outs)
         else:
             plan = streaming_plan.plan_forward(key, tokens, rows, sms)
-            outs = (torch.empty(rows, d, dtype=kv.dtype, device="cuda"),
-                    torch.empty(4, device="cuda"))
+            work = torch.empty(max(plan.workspace, 4), device="cuda")
+            outs = (torch.empty(rows, d, dtype=kv.dtype, device="cuda"), work)
             tensors = (kv, score, ape, cu, cuc, *outs)
         launch = Launch(key, backward, tensors, (tokens, rows, 1), plan.grid)
         launch.keep = outs

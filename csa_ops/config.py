@@ -177,6 +177,10 @@ class StreamingKnobs(_Knobs):
     pdl: bool = True  # programmatic dependent launch (common.await_upstream)
     # Forward columns in torch's CUDA order (kernels/shared/torch_order.py; see Parity).
     parity: Parity = Parity.NEVER
+    # Forward with parity only: the row loop marks the columns to take torch's order (a
+    # bit per column in the workspace) and a second launch computes them, every CTA's at
+    # once, instead of each in its row (the same bits; kernels/streaming/exact.py).
+    deferred: bool = False
     # csa::compressor_extend only, as WindowKnobs.part; ROWS is every other output row
     # (padding and invalid requests' rows: zeros), through the forward's pipelined row loop,
     # beside the requests' launch.

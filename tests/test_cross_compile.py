@@ -96,16 +96,28 @@ def test_ptx_of_the_fast_forward(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptx_of_the_streaming_forward_parity(arch):
     # parity 1 and 2 add the exact columns: one libdevice expf (its fma.rm range reduction)
-    # and one IEEE division per window entry and column; parity 1 gates them on a warp vote.
+    # and one IEEE division per window entry and column. In their rows, parity 1 gates them
+    # on a warp vote, each column of a vector its own copy; deferred, the row loop ballots
+    # a word of failing columns and a second kernel holds one copy of a column's code.
     base = streaming_plan.configure(128, 1, 512, "bfloat16", arch, Direction.FORWARD)
-    exact = base.knobs.wpc * base.knobs.kt * base.knobs.vec  # entries per lane, all columns
-    texts = {p: host.ptx("fwd", with_knobs(base, parity=p)) for p in (0, 1, 2)}
+    assert base.knobs.deferred
+    entries = base.knobs.wpc * base.knobs.kt  # a column's entries per lane
+    in_place = with_knobs(base, deferred=False)
+    texts = {p: host.ptx("fwd", with_knobs(in_place, parity=p)) for p in (0, 1, 2)}
+    deferred = {p: host.ptx("fwd", with_knobs(base, parity=p)) for p in (1, 2)}
     assert "vote.sync" not in texts[0] and "fma.rm.f32" not in texts[0]
     assert texts[0].count("div.rn.f32") == 1  # the fast path's out = a / s
+    assert texts[0].count(".entry") == 1
     for parity in (1, 2):
-        assert texts[parity].count("fma.rm.f32") == exact
-        assert texts[parity].count("div.rn.f32") == 1 + exact
+        assert texts[parity].count("fma.rm.f32") == entries * base.knobs.vec
+        assert texts[parity].count("div.rn.f32") == 1 + entries * base.knobs.vec
+        assert deferred[parity].count("fma.rm.f32") == entries
+        assert deferred[parity].count("div.rn.f32") == 1 + entries
+        assert deferred[parity].count(".entry") == 2
+        assert "vote.sync.ballot" in deferred[parity]
     assert "vote.sync.any" in texts[1]
+    assert not streaming_plan.supports(with_knobs(base, parity=0))  # nothing to defer
+    assert not streaming_plan.fast_forward(base).knobs.deferred
 
 
 def _vec_threads(ratio, coff, head_dim, dtype, backward):

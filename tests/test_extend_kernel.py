@@ -50,12 +50,14 @@ def test_extend_kernel_cross_compiles(cfg, arch):
         assert extend_plan.configure(ratio, coff, head_dim, forward.dtype, arch) == forward
     else:  # narrower CTAs for decode-sized calls and steps, two parts (PDL) for larger
         # calls (the rows launch narrower, of few requests by lanes), the forward's CTAs
-        # for steps past decode-sized
-        narrow = streaming_plan.narrow(forward)
-        requests = with_knobs(forward, part=1, pdl=True)
+        # for steps past decode-sized; each computes its failing columns in their rows
+        assert forward.knobs.deferred
+        in_rows = with_knobs(forward, deferred=False)
+        narrow = streaming_plan.narrow(in_rows)
+        requests = with_knobs(in_rows, part=1, pdl=True)
         rows = with_knobs(streaming_plan.narrow(requests), part=2)
         by_lanes = with_knobs(rows, lane_requests=True)
-        assert built == (narrow, requests, rows, by_lanes, forward)
+        assert built == (narrow, requests, rows, by_lanes, in_rows)
     # Each size class launches the forward's geometry-free knobs differently; the flags
     # that fix a row's bits (fast_exp) are the forward's.
     assert all(key.knobs.fast_exp == forward.knobs.fast_exp for key in built)
@@ -205,6 +207,7 @@ def test_plan_covers_requests_then_rows():
     # that pool windows run one after another in a CTA: up to EXTEND_WAVES waves of CTA
     # slots (132 SMs x 2 CTAs / 8 blocks per wave), one item each where they reach.
     key = host.select_key(128, 1, 512, "bfloat16", "sm_90a", Direction.FORWARD)
+    key = with_knobs(key, deferred=False)  # what every extend key of it computes in place
     blocks = -(-key.head_dim // (key.knobs.cv * key.knobs.vec))
     assert (blocks, key.knobs.ctas, streaming_plan.EXTEND_WAVES) == (8, 2, 4)
     assert extend_plan.plan(key, 8192, 4, 64, 132) == LaunchPlan(grid=68 * blocks)
@@ -278,7 +281,8 @@ def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
             assert n.ctas == k.ctas or smem * n.ctas <= streaming_plan.SMEM_PER_SM
             assert dataclasses.replace(narrow, knobs=k) == key  # launch knobs only
             assert extend_plan.for_size(key, extend_plan.SizeClass.STEP) == narrow
-            assert extend_plan.for_size(key, extend_plan.SizeClass.LARGE_STEP) == key
+            in_rows = with_knobs(key, deferred=False)  # extend keys compute columns in rows
+            assert extend_plan.for_size(key, extend_plan.SizeClass.LARGE_STEP) == in_rows
     # A rows launch by lanes keeps a third row table (each entry's output row).
     rows = with_knobs(streaming_plan.narrow(host.select_key(128, 1, 512, "bfloat16", "sm_90a",
                                                             Direction.FORWARD)), part=2)
@@ -297,7 +301,9 @@ def test_support_covers_both_families():
     assert extend_plan.supports(extend_plan.configure(16, 2, 64, "bfloat16", "sm_90a"))
     assert extend_plan.supports(extend_plan.configure(32, 1, 64, "float32", "sm_100a"))
     assert not extend_plan.supports(extend_plan.configure(32, 2, 64, "bfloat16", "sm_90a"))
-    streaming = host.select_key(128, 1, 512, "bfloat16", "sm_90a", Direction.FORWARD)
+    forward = host.select_key(128, 1, 512, "bfloat16", "sm_90a", Direction.FORWARD)
+    streaming = with_knobs(forward, deferred=False)  # every extend key's
+    assert extend_plan.for_size(forward, 0) == extend_plan.for_size(streaming, 0)
     assert streaming.family == "streaming" and extend_plan.supports(streaming)
     narrow = streaming_plan.narrow(streaming)
     assert (narrow.knobs.cv, narrow.knobs.ctas) == (streaming.knobs.cv // 2, 4)

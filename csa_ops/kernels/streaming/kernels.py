@@ -23,17 +23,18 @@ from cutlass import Float32, Int32, Int64, const_expr, cute
 from cutlass.cute.nvgpu import cpasync
 
 from ...config import TYPES, KernelKey
-from ..shared import common as cm
 from ..shared import certificate, segments, softmax, torch_order
+from ..shared import common as cm
 from ..shared.certificate import Certificate
 from ..shared.reduce import launch_sum_parts
-from .plan import MAX_ROWS, RED_KINDS
+from .exact import DeferredRows, ExactColumns
+from .plan import MAX_ROWS, RED_KINDS, SAVED_COLUMNS
 from .rows import RowFlag, RowTensors, RowTiles, Thread, flat
 
 _SUM_SPLIT = 16  # grad_ape sum: warps per CTA, each summing every 16th CTA partial
 
 
-class StreamingKernel:
+class StreamingKernel(DeferredRows):
     """One compiled configuration; every attribute is a compile-time constant."""
 
     def __init__(self, key: KernelKey, backward: bool):
@@ -64,6 +65,8 @@ class StreamingKernel:
         self.shift = softmax.exponent_shift(self.window)
         self.async_copy = self.vec * 2 >= 4  # cp.async moves 4, 8 or 16 bytes
         self.parity = 0 if backward else k.parity
+        # The uncertified columns: recomputed in their rows, or marked for ExactColumns.
+        self.deferred = bool(self.parity) and k.deferred
         if self.parity:  # the exact columns' order, and the certificate that calls them
             self.soft_chains = torch_order.softmax_chains(self.window, self.head_dim)
             self.sum_split = torch_order.sum_split(self.window, self.head_dim)
@@ -154,9 +157,12 @@ class StreamingKernel:
 
     def _scratch(self, smem, placeholder):
         """The exact columns' scratch (forward with parity): one window of fp32 per column
-        vector, where a warp lays out a column's terms for its chains' lanes."""
+        vector, where a warp lays out a column's terms for its chains' lanes; deferred, the
+        count of each column vector's saved columns (_save_columns)."""
         if not self.parity:
             return placeholder
+        if self.deferred:
+            return smem.allocate_tensor(Int32, cute.make_layout(self.col_vectors), 16)
         return smem.allocate_tensor(
             Float32, cute.make_layout((self.window_padded, self.col_vectors)), 16)
 
@@ -210,8 +216,8 @@ class StreamingKernel:
     @cute.kernel
     def kernel(self, gKV: cute.Tensor, gSc: cute.Tensor, gApe: cute.Tensor, mCu: cute.Tensor,
                mCuc: cute.Tensor, gOut: cute.Tensor, gGo: cute.Tensor, gGkv: cute.Tensor,
-               gGsc: cute.Tensor, gWork: cute.Tensor, num_tokens: Int32, num_rows: Int32,
-               num_segs: Int32, groups: Int32):
+               gGsc: cute.Tensor, gWork: cute.Tensor, gSaved: cute.Tensor, num_tokens: Int32,
+               num_rows: Int32, num_segs: Int32, groups: Int32):
         cm.await_upstream(self.pdl)
         cm.assert_offsets_fit(mCuc, num_segs, num_rows)
         thr = self._coordinates()
@@ -229,8 +235,14 @@ class StreamingKernel:
             sFl[j] = fl
         gacc = cute.make_rmem_tensor((self.entries_per_lane * self.vec,), Float32)
         gacc.fill(0.0)
-        self._pipeline(nr, tables, RowTensors(gKV, gSc, gApe, gGo, gOut, gGkv, gGsc), gacc, thr,
-                       groups, num_tokens, False)
+        flags = saved = None
+        if const_expr(self.deferred):
+            flags, saved = gWork, gSaved
+            if tid < self.col_vectors:
+                tables[5][tid] = 0  # no column saved yet (published by _pipeline's barrier)
+        self._pipeline(nr, tables,
+                       RowTensors(gKV, gSc, gApe, gGo, gOut, gGkv, gGsc, flags, saved),
+                       gacc, thr, groups, num_tokens, False)
         if const_expr(self.bwd):
             self._epilogue(gacc, gWork, gGkv, gGsc, mCu, mCuc, thr,
                            num_tokens, num_rows, num_segs, groups)
@@ -311,7 +323,10 @@ class StreamingKernel:
                 if const_expr(skips):
                     zeros = zeros and fl != RowFlag.SKIP
                 if zeros:
-                    self._zero_vector(gOut, self._table_row(sRow, rg, j, groups), cb * CV + cvw)
+                    n = self._table_row(sRow, rg, j, groups)
+                    self._zero_vector(gOut, n, cb * CV + cvw)
+                    if const_expr(self.deferred):
+                        self._mark(rows.flags, n, cb * CV + cvw, Int32(0))
 
     def _table_row(self, sRow, rg, j, groups):
         """The output row of entry j of a CTA's row table: rg + j * groups, or sRow[j]."""
@@ -501,8 +516,16 @@ class StreamingKernel:
                     if const_expr(cert):
                         fails = cutlass.select_(self.certificate.holds(a_c, sums[2], sums[3]),
                                                 Int32(0), Int32(1))
-                    self._parity_columns(out, fails, self._gather(m_max), tiles, st, t0, fl,
-                                         num_tokens, lane, cvw, masked)
+                    if const_expr(self.deferred):
+                        word = self._failing_columns(fails)
+                        if word != 0:
+                            word = self._save_columns(word, tiles, rows.saved, st, t0, fl,
+                                                      num_tokens, lane, cvw, thr.bid)
+                        if lane == 0:
+                            self._mark(rows.flags, n, colw, word)
+                    else:
+                        self._parity_columns(out, fails, self._gather(m_max), tiles, st, t0,
+                                             fl, num_tokens, lane, cvw, masked)
             if lane == 0 and wp == 0 and colw < self.half_vectors:
                 self._store(gOut[(None, (n, colw))], out)
         else:
@@ -543,15 +566,12 @@ class StreamingKernel:
 
     @cute.jit
     def _exact_column(self, tiles: RowTiles, st, v, m, t0, fl, num_tokens, lane, cvw, masked):
-        """Column v of the warp's column vector as torch's eager region computes it on CUDA
-        (torch_order.py). Lane j computes the terms k = j + 32 i of the window; each chain
-        of torch's sums is then one lane's loop over the terms in the warp's scratch."""
-        sw = tiles.scratch[(None, cvw)]
-        terms = self.window_padded // 32
+        """Column v of the warp's column vector as torch's eager region computes it on CUDA,
+        from the row's tiles (_torch_column)."""
         # Every entry's loads first, then the arithmetic: the loads are in flight together
         # instead of each exponential waiting for its own.
         oks, logits, values = [], [], []
-        for i in cutlass.range_constexpr(terms):
+        for i in cutlass.range_constexpr(self.window_padded // 32):
             k = i * 32 + lane
             ok = k < self.window
             if const_expr(masked):
@@ -560,6 +580,15 @@ class StreamingKernel:
             oks.append(ok)
             logits.append(self._logit_reader(tiles, st, ph, k, cvw)(v))
             values.append(self._load_f32(tiles.tile[(None, ph, k, 1, st)])[v])
+        return self._torch_column(oks, logits, values, m, tiles.scratch[(None, cvw)], lane)
+
+    @cute.jit
+    def _torch_column(self, oks, logits, values, m, sw, lane):
+        """One column in torch's order (torch_order.py), from lane j's entries k = j + 32 i
+        (oks[i]: entry k exists; its logit and value in fp32) and the column's max m: each
+        chain of torch's sums is one lane's loop over the terms laid out in the warp's
+        scratch sw (window_padded fp32)."""
+        terms = self.window_padded // 32
         e = []
         kv = []
         for i in cutlass.range_constexpr(terms):
@@ -571,7 +600,7 @@ class StreamingKernel:
         cute.arch.sync_warp()
         s = self._tree(self._chains(sw, self.soft_chains, lane), self.soft_chains)
         cute.arch.sync_warp()  # every chain has read e
-        for i in cutlass.range_constexpr(self.window_padded // 32):
+        for i in cutlass.range_constexpr(terms):
             sw[i * 32 + lane] = cm.mul_rn(kv[i], cm.div_rn(e[i], s))
         cute.arch.sync_warp()
         split = self.sum_split
@@ -678,14 +707,15 @@ class StreamingKernel:
 
     # ---------------------------------------------------------------- launch entries
     def _launch_main(self, gKV, gSc, p_ape, p_cu, p_cuc, gOut, gGo, gGkv, gGsc, gWork,
-                     num_tokens, num_rows, num_segs, groups, stream):
+                     num_tokens, num_rows, num_segs, groups, stream, gSaved=None):
         width = self.coff * self.head_dim
         gApe = cute.zipped_divide(
             cute.make_tensor(p_ape, cute.make_layout((self.ratio, width), stride=(width, 1))),
             (1, self.ape_vec))
         mCu = cute.make_tensor(p_cu, cute.make_layout(num_segs + 1))
         mCuc = cute.make_tensor(p_cuc, cute.make_layout(num_segs + 1))
-        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, gGo, gGkv, gGsc, gWork, num_tokens,
+        self.kernel(gKV, gSc, gApe, mCu, mCuc, gOut, gGo, gGkv, gGsc, gWork,
+                    gWork if gSaved is None else gSaved, num_tokens,
                     num_rows, num_segs, groups).launch(
             grid=(groups * self.col_blocks, 1, 1), block=(self.threads, 1, 1), stream=stream,
             min_blocks_per_mp=self.ctas, preferred_smem_carveout=100, use_pdl=self.pdl)
@@ -709,8 +739,20 @@ class StreamingForward(StreamingKernel):
         gKV = self._rows(p_kv, num_tokens, width)
         gSc = self._rows(p_score, num_tokens, width)
         gOut = self._rows(p_out, num_rows, self.head_dim)
-        self._launch_main(gKV, gSc, p_ape, p_cu, p_cuc, gOut, gOut, gOut, gOut, gOut,
-                          num_tokens, num_rows, num_segs, grid // self.col_blocks, stream)
+        gWork = gSaved = gOut
+        if const_expr(self.deferred):  # the words of failing columns, then their launch
+            p_flags = cute.recast_ptr(p_work, dtype=Int32)
+            words = num_rows * self.half_vectors
+            p_saved = p_work + cute.assume((words + 3) // 4 * 4, divby=4)
+            gWork = cute.make_tensor(p_flags, cute.make_layout(words))
+            gSaved = cute.make_tensor(p_saved, cute.make_layout(
+                (self.window_padded, 2, grid * self.col_vectors * SAVED_COLUMNS)))
+        self._launch_main(gKV, gSc, p_ape, p_cu, p_cuc, gOut, gOut, gOut, gOut, gWork,
+                          num_tokens, num_rows, num_segs, grid // self.col_blocks, stream,
+                          gSaved)
+        if const_expr(self.deferred):
+            ExactColumns(self).launch(p_kv, p_score, p_ape, p_cu, p_cuc, p_out, p_flags,
+                                      gSaved, num_tokens, num_rows, num_segs, stream)
 
 
 class StreamingBackward(StreamingKernel):

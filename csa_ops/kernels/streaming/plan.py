@@ -27,6 +27,15 @@ MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sum
 SMEM_PER_SM = 227 * 1024
 EXTEND_WAVES = 4  # extend CTAs per column block: this many waves of the forward's CTA slots
 FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
+# The certified forward's failing columns by a second launch (exact.py) rather than in their
+# rows.
+DEFER_EXACT_COLUMNS = True
+# Failing columns per column vector of a CTA whose window the deferred row loop saves for
+# exact.py (fp32 logits and values, 8 * window_padded bytes each); past them, exact.py
+# loads the window's elements from DRAM again. The word of a row and vector holds the
+# first saved column's slot + 1 from bit SLOT_SHIFT (above the vec <= 8 column bits).
+SAVED_COLUMNS = 8
+SLOT_SHIFT = 8
 # Cross-warp partials of a row (kernels.py): max, sum e, sum e*v and the forward's
 # certificate sums (sum e|v|, sum |v|).
 RED_KINDS = 5
@@ -60,7 +69,7 @@ def key_smem_bytes(key: KernelKey, backward: bool) -> int:
     # A rows launch by lanes keeps a third row table: each entry's output row.
     tables = 3 if k.part == Part.ROWS and k.lane_requests else 2
     return _smem_bytes(key.elem_bytes, k.vec, k.cv, k.wpc, k.kt, backward, k.stages,
-                       bool(k.parity), tables)
+                       bool(k.parity) and not k.deferred, tables)
 
 
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
@@ -94,9 +103,14 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
     # the backward and the one-warp-per-column forward gain 1-7% (r128 c1 1x65536 d128 fwd
     # 13.1 against 14.0 us), but the forward with two warps per column (coff 2) loses 7-13%
     # (1x131072 d512 168.1 against 149.0 us), so it launches plainly.
+    # The stages above count the in-place exact columns' scratch, so a deferred key and its
+    # in-place twin differ in that alone.
     knobs = StreamingKnobs(vec, cv, wpc, kt, stages, ctas, fast_exp=FWD_FAST_EXP and not backward,
-                           pdl=backward or wpc != 2, parity=parity)
+                           pdl=backward or wpc != 2, parity=parity,
+                           deferred=certify and DEFER_EXACT_COLUMNS)
     key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, knobs)
+    if overrides.get("parity") == Parity.NEVER and "deferred" not in overrides:
+        overrides["deferred"] = False  # nothing to defer
     return with_knobs(key, **overrides) if overrides else key
 
 
@@ -104,7 +118,7 @@ def fast_forward(key: KernelKey) -> KernelKey:
     """The forward key of the fast numerics mode: no columns in torch's order (the fast
     softmax alone: within one rounding step of the eager region except on rare cancelling
     columns)."""
-    return with_knobs(key, parity=Parity.NEVER)
+    return with_knobs(key, parity=Parity.NEVER, deferred=False)
 
 
 def supports(key: KernelKey) -> bool:
@@ -118,6 +132,8 @@ def supports(key: KernelKey) -> bool:
     if k.threads > 1024 or 32 * k.wpc * k.kt < key.window or 32 % k.vec:
         return False
     if k.parity and not torch_order.supported(key.window, key.head_dim):
+        return False
+    if k.deferred and not k.parity:  # nothing to defer
         return False
     smem = max(key_smem_bytes(key, backward) for backward in (False, True))
     return smem <= SMEM_PER_SM
@@ -149,8 +165,23 @@ def _plan(key: KernelKey, num_rows: int, num_sms: int, backward: bool) -> Launch
     # Even out rows per CTA and keep each CTA's rows within its row table.
     per_cta = min(max(1, -(-num_rows // groups)), MAX_ROWS)
     groups = max(1, -(-num_rows // per_cta))
-    work = groups * key.ratio * key.coff * key.head_dim if backward else 0
+    if backward:  # grad_ape's partials
+        work = groups * key.ratio * key.coff * key.head_dim
+    else:
+        work = forward_workspace(key, num_rows, groups * cb)
     return LaunchPlan(grid=groups * cb, workspace=work)
+
+
+def forward_workspace(key: KernelKey, num_rows: int, grid: int) -> int:
+    """fp32 elements of a forward launch of `grid` CTAs: the deferred forward's words of
+    failing columns (int32, padded to 16 bytes), then its CTAs' saved columns."""
+    k = key.knobs
+    if not k.deferred:
+        return 0
+    words = -(-num_rows * (key.head_dim // k.vec) // 4) * 4
+    slots = grid * k.cv * SAVED_COLUMNS
+    assert slots < 1 << (31 - SLOT_SHIFT), "a saved column's slot must fit its word"
+    return words + slots * 2 * 32 * k.kt * k.wpc
 
 
 def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
@@ -241,6 +272,7 @@ def narrow(key: KernelKey) -> KernelKey:
     forward's 8 column vectors and 2 CTAs per SM (2 column vectors: 4.33 / 6.47 / 7.70; 1:
     4.29 / 6.91 / 9.89); 8 requests by 32 tokens from state 5.28 against 5.80. d512 r128 c2
     decode steps: 10.66 / 12.13 / 15.27 against 11.36 / 12.22 / 15.82."""
+    key = with_knobs(key, deferred=False)  # an extend key's (extend_key)
     k = key.knobs
     narrower = with_knobs(key, cv=max(1, k.cv // 2))
     fit = min(4, SMEM_PER_SM // key_smem_bytes(narrower, False))
@@ -255,7 +287,10 @@ def extend_key(key: KernelKey, size: SizeClass) -> KernelKey:
     requests' launch (PDL, whatever the forward's). Steps of more requests keep the
     forward's CTAs: every CTA scans the batch, and a narrower one takes twice as long over
     it (d512 r128 c1 B1024 graph replay 10.72 us against 9.18). Split calls of few requests
-    place part 2's rows by lanes, evenly (lane_requests)."""
+    place part 2's rows by lanes, evenly (lane_requests). Every extend key computes its
+    failing columns in their rows: a serving call's rows are few, and a second launch
+    would cost more than it spreads (the same bits either way)."""
+    key = with_knobs(key, deferred=False)
     if size in (SizeClass.DECODE_SIZED, SizeClass.STEP):
         return narrow(key)
     if size == SizeClass.FEW_LARGE:

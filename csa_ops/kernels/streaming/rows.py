@@ -44,7 +44,9 @@ class Thread(NamedTuple):
 
 class RowTensors(NamedTuple):
     """The global tensors a row reads and writes: the window's kv and score, ape, grad_out
-    (the backward's; the forward passes its output), the output rows, grad_kv, grad_score."""
+    (the backward's; the forward passes its output), the output rows, grad_kv, grad_score,
+    and the deferred forward's words of failing columns and saved columns (kernels.py
+    _save_columns; None elsewhere)."""
 
     kv: cute.Tensor
     score: cute.Tensor
@@ -53,6 +55,8 @@ class RowTensors(NamedTuple):
     out: cute.Tensor
     grad_kv: cute.Tensor
     grad_score: cute.Tensor
+    flags: cute.Tensor | None = None
+    saved: cute.Tensor | None = None
 
 
 class RowTiles(NamedTuple):
