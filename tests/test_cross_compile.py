@@ -99,8 +99,8 @@ def test_ptx_of_the_streaming_forward_parity(arch):
     # and one IEEE division per window entry and column. In their rows, parity 1 gates them
     # on a warp vote, each column of a vector its own copy; deferred, the row loop ballots
     # a word of failing columns and a second kernel holds one copy of a column's code.
-    base = streaming_plan.configure(128, 1, 512, "bfloat16", arch, Direction.FORWARD)
-    assert base.knobs.deferred
+    base = with_knobs(streaming_plan.configure(128, 1, 512, "bfloat16", arch,
+                                               Direction.FORWARD), deferred=True)
     entries = base.knobs.wpc * base.knobs.kt  # a column's entries per lane
     in_place = with_knobs(base, deferred=False)
     texts = {p: host.ptx("fwd", with_knobs(in_place, parity=p)) for p in (0, 1, 2)}
@@ -118,6 +118,17 @@ def test_ptx_of_the_streaming_forward_parity(arch):
     assert "vote.sync.any" in texts[1]
     assert not streaming_plan.supports(with_knobs(base, parity=0))  # nothing to defer
     assert not streaming_plan.fast_forward(base).knobs.deferred
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deferral_is_the_certified_default_where_two_warps_share_a_vector(arch):
+    def knobs(coff, head_dim, direction=Direction.FORWARD):
+        return streaming_plan.configure(128, coff, head_dim, "bfloat16", arch, direction).knobs
+
+    assert knobs(2, 512).parity == 1 and knobs(2, 512).deferred and knobs(2, 512).wpc == 2
+    assert knobs(1, 512).parity == 1 and not knobs(1, 512).deferred
+    assert not knobs(2, 128).deferred
+    assert not knobs(2, 512, Direction.EXTEND).deferred  # extend keys: in their rows
 
 
 def _vec_threads(ratio, coff, head_dim, dtype, backward):

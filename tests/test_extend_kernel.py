@@ -51,7 +51,6 @@ def test_extend_kernel_cross_compiles(cfg, arch):
     else:  # narrower CTAs for decode-sized calls and steps, two parts (PDL) for larger
         # calls (the rows launch narrower, of few requests by lanes), the forward's CTAs
         # for steps past decode-sized; each computes its failing columns in their rows
-        assert forward.knobs.deferred
         in_rows = with_knobs(forward, deferred=False)
         narrow = streaming_plan.narrow(in_rows)
         requests = with_knobs(in_rows, part=1, pdl=True)
@@ -160,7 +159,7 @@ def test_streaming_rows_pool_with_the_forward_operations(cfg):
 
     ratio, coff, head_dim, dtype = cfg
     forward = host.select_key(ratio, coff, head_dim, dtype, "sm_90a", Direction.FORWARD)
-    key = with_knobs(forward, parity=0)
+    key = with_knobs(forward, parity=0, deferred=False)
     assert key.family == "streaming"
     ext, fwd = _ptx("ext", key), _ptx("fwd", key)
     for op in _POOL_OPS:

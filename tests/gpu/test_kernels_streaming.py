@@ -404,8 +404,3 @@ def test_deferred_exact_columns_are_the_in_place_ones(spec, dtype, parity):
         deferred = run_forward(*args, groups, parity=parity, deferred=1)
         assert_bitwise_equal(deferred, in_place, f"deferred (groups {groups}) against in place")
 
-
-def test_deferral_is_the_certified_default():
-    key = streaming_plan.configure(128, 2, 512, "bfloat16", host.device_arch(),
-                                   Direction.FORWARD)
-    assert key.knobs.parity == 1 and key.knobs.deferred

@@ -49,6 +49,9 @@ class StreamingExtend(StreamingKernel):
     """
 
     def __init__(self, key: KernelKey):
+        if key.knobs.deferred:
+            raise ValueError(f"an extend key computes its failing columns in their rows "
+                             f"(plan.extend_key), got {key!r}")
         super().__init__(key, backward=False)
         self.batch = requests.Batch(self.ratio, self.threads)
         self.quiet_lanes = quiet_lanes(key)

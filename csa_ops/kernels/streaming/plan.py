@@ -27,9 +27,6 @@ MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sum
 SMEM_PER_SM = 227 * 1024
 EXTEND_WAVES = 4  # extend CTAs per column block: this many waves of the forward's CTA slots
 FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
-# The certified forward's failing columns by a second launch (exact.py) rather than in their
-# rows.
-DEFER_EXACT_COLUMNS = True
 # Failing columns per column vector of a CTA whose window the deferred row loop saves for
 # exact.py (fp32 logits and values, 8 * window_padded bytes each); past them, exact.py
 # loads the window's elements from DRAM again. The word of a row and vector holds the
@@ -72,6 +69,16 @@ def key_smem_bytes(key: KernelKey, backward: bool) -> int:
                        bool(k.parity) and not k.deferred, tables)
 
 
+def defers_exact_columns(wpc: int, head_dim: int) -> bool:
+    """Whether the certified forward computes its failing columns in a second launch
+    (exact.py) rather than in their rows: where two warps share a column vector (coff 2 at
+    ratio 128) at d512, whose in-place columns stall the whole CTA's row loop (H100, graph
+    replay: 1x65536 / 1x131072 d512 r128 c2 114.5 / 218.2 us against 121.0 / 246.3 in
+    place); elsewhere the second launch costs more than the stalls it saves (1x65536
+    d128 r128 c1: 29.1 against 17.7 us; docs/tuning.md)."""
+    return wpc == 2 and head_dim >= 512
+
+
 def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
               direction: Direction, *, cv: int | None = None, ctas: int | None = None,
               stages: int | None = None, **overrides: int) -> KernelKey:
@@ -107,7 +114,8 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
     # in-place twin differ in that alone.
     knobs = StreamingKnobs(vec, cv, wpc, kt, stages, ctas, fast_exp=FWD_FAST_EXP and not backward,
                            pdl=backward or wpc != 2, parity=parity,
-                           deferred=certify and DEFER_EXACT_COLUMNS)
+                           deferred=(certify and direction is Direction.FORWARD
+                                     and defers_exact_columns(wpc, head_dim)))
     key = KernelKey("streaming", ratio, coff, head_dim, dtype, arch, knobs)
     if overrides.get("parity") == Parity.NEVER and "deferred" not in overrides:
         overrides["deferred"] = False  # nothing to defer
