@@ -1,15 +1,20 @@
-"""The deferred forward's second launch: the columns its certificate failed, in torch's order.
+"""The deferred streaming forward: the columns its certificate failed, in torch's order, by
+a second launch.
 
 A forward with `deferred` set does not recompute a failing column inside its row loop, where
 the whole CTA waits at the next row's barrier while one warp runs a column's chains (a
 serial chain of up to `W` adds) and the grid, one wave, ends with its slowest CTA. Its row
-loop writes one word per (output row, column vector) instead: bit v set where column v of
-the vector needs torch's order, zero elsewhere, padding rows included, so the workspace is
-never cleared. This launch then takes the marked columns of every CTA at once, spread over
-the whole GPU. Each CTA lists the marked words among `WORDS` consecutive ones in shared
-memory, and its warps take them in turn; a warp loads a marked column's window from global
-memory and computes it with the in-place path's own code (StreamingKernel._torch_column),
-then overwrites the fast value. So the output is the in-place forward's, bit for bit.
+loop (DeferredRows) writes one word per (output row, column vector) instead: bit v set
+where column v of the vector needs torch's order, zero elsewhere, padding rows included, so
+the workspace is never cleared. It also copies a failing column's logits and values from
+the tile to one of its warp's SAVED_COLUMNS slots while it has one, and writes the slot into
+the word. This launch (ExactColumns) then takes the marked columns of every CTA at once,
+spread over the whole GPU. Each CTA lists the marked words among `WORDS` consecutive ones
+in shared memory, and its warps take them in turn; a warp reads a marked column's window
+from its slot (coalesced; past the slots, the window's elements from DRAM, 32 bytes moved
+per element) and computes it with the in-place path's own code
+(StreamingKernel._torch_column), then overwrites the fast value. So the output is the
+in-place forward's, bit for bit.
 
 The row lookups only read the call's offsets, which the forward does not write: they run
 before the PDL wait, while the forward's last CTAs finish.
