@@ -9,9 +9,11 @@ weight), side by side in one run:
 - ``eager``: csa::compressor, then the epilogue as torch ops (csa_ops.reference_epilogue);
 - ``op + compiled epilogue``: csa::compressor, then torch.compile of the epilogue;
 - ``compiled block``: torch.compile of both (the op an opaque call under the "auto" mode);
-- ``fused op``: csa::compressor_epilogue as the package runs it by default, and beside it with
-  its row epilogue forced to the kernel (``kernel epilogue``) and to torch ops (``torch
-  epilogue``; csa_ops.row_epilogue's routes);
+- ``fused op``: csa::compressor_epilogue as the package runs it by default (the forward in
+  one kernel where the register-window family pools it), and beside it with its row
+  epilogue forced to the kernel (``kernel epilogue``), to torch ops (``torch epilogue``) and
+  its forward to the pooling kernel followed by the row-epilogue kernel (``two launches``;
+  csa_ops.row_epilogue's routes);
 - ``op alone``: csa::compressor with no epilogue (gradients of kv, score and ape), the time
   the fused op's targets are stated against (not checked: other outputs);
 - on CUDA each but ``eager`` also from CUDA-graph replays (device time);
@@ -55,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None, help="comma-separated r<ratio>c<coff>_<B>x<len>_d<d>")
     p.add_argument("--quick", action="store_true", help="a tiny shape set (smoke run)")
     p.add_argument("--rotate", action="store_true", help="add the Hadamard rotation")
+    p.add_argument("--variants", default=None,
+                   help="semicolon-separated variant names to run (default: all)")
+    p.add_argument("--directions", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--batch", type=int, default=None,
@@ -120,6 +125,7 @@ def _variants(e: Epilogue):
         "compiled block": torch.compile(block, fullgraph=True, dynamic=False),
         "fused op": e.fused,
         "fused op, kernel epilogue": _routed(e.fused, row_epilogue.kernel_route),
+        "fused op, two launches": _routed(e.fused, row_epilogue.two_launch_forward),
         "fused op, torch epilogue": _routed(e.fused, row_epilogue.torch_route),
         OP_ALONE: lambda kv, score, ape, w: e.pool(kv, score, ape),
     }
@@ -159,12 +165,15 @@ def run_shape(shape: Shape, args, bandwidth: float) -> list[dict]:
     batch = args.batch or (20 if device.type == "cuda" else 2)
     batch = max(batch, case.num_sets)
     rows = []
-    for direction in ("fwd", "fwd+bwd"):
+    variants = _variants(e)
+    if args.variants:
+        variants = {name: variants[name] for name in args.variants.split(";")}
+    for direction in args.directions.split(","):
         floor = algorithmic_bytes(shape, itemsize)[direction] / bandwidth
         rows.append({"shape": shape.name, "direction": direction, "variant": "floor",
                      "timing": "floor", "us": floor * 1e6})
         expected = _step(e, e.fused, direction)(0)
-        for name, region in _variants(e).items():
+        for name, region in variants.items():
             step = _step(e, region, direction, weighted=name != OP_ALONE)
             ok, errors = None, []
             if name != OP_ALONE:

@@ -75,15 +75,19 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0,
 def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
                         eps: float = 1e-6, dtype: torch.dtype | None = None,
                         weight_dtype: torch.dtype | None = None, position_offset: bool = False,
-                        arch: str | None = None):
+                        arch: str | None = None, *, ratio: int | None = None,
+                        coff: int | None = None):
     """Compile csa_ops.epilogue.compressor_epilogue's row-epilogue kernels (its forward's
     and its backward's) ahead of use, as a CUDA graph capture needs; ``position_offset``:
     for calls that pass one. Returns their key, or None where that epilogue runs as torch
-    ops. Arguments otherwise as in precompile_store."""
+    ops. With ``ratio`` and ``coff``, also the kernel that runs the whole forward of that
+    configuration in one launch where the register-window family pools it; a forward
+    captured without it runs as two launches, the same bytes. Arguments otherwise as in
+    precompile_store."""
     from . import host
 
     return host.precompile_epilogue(head_dim, rope_dim, rotate, eps, dtype, weight_dtype,
-                                    position_offset, arch)
+                                    position_offset, arch, ratio, coff)
 
 
 def set_forward_numerics(mode: str) -> None:

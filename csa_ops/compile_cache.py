@@ -108,6 +108,14 @@ class CompileCache:
                     f"precompile_store({x.head_dim}, {e.cache_format!r}, {e.rope_dim}, "
                     f"{e.rotate}, {e.eps}, torch.{e.dtype}, torch.{e.weight_dtype}, "
                     f"ratio={x.ratio}, coff={x.coff}) before capturing.")
+            if direction is Direction.FORWARD_EPILOGUE:  # a ForwardEpilogueKey
+                f, e = key.forward, key.epilogue
+                raise RuntimeError(
+                    f"csa_ops: the fused training-forward kernel for {key} is not compiled "
+                    f"and a CUDA graph capture is active, where JIT is not allowed. Call "
+                    f"csa_ops.precompile_epilogue({f.head_dim}, {e.rope_dim}, {e.rotate}, "
+                    f"{e.eps}, torch.{e.dtype}, torch.{e.weight_dtype}, position_offset="
+                    f"{e.position_offset}, ratio={f.ratio}, coff={f.coff}) before capturing.")
             # csa::compressor's directions and csa::compressor_extend's kernels each have
             # their own precompile entry.
             entry = "precompile_extend" if direction is Direction.EXTEND else "precompile"

@@ -177,6 +177,17 @@ def _compressor_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, cof
         _check_contents(OP, kv, cu_seqlens, cu_seqlens_comp, ratio, cos, rope_dim,
                         position_offset, total_comp)
     params = _params(norm_weight, eps, cos, sin, rope_dim, rotate)
+    if kv.is_cuda:
+        if total_comp is None:  # csa::compressor's documented host sync, taken here once
+            total_comp = int(cu_seqlens_comp[-1])
+            check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+                            norm_weight, eps, cos, sin, rope_dim, position_offset, rotate,
+                            total_comp)
+        rows = row_epilogue.launch_forward_epilogue(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, norm_weight,
+            eps, cos, sin, rope_dim, position_offset, rotate)
+        if rows is not None:
+            return rows
     pooled = torch.ops.csa.compressor.default(kv, score, ape, cu_seqlens, cu_seqlens_comp,
                                               ratio, coff, total_comp)
     rows = row_epilogue.launch_rows(pooled, cu_seqlens_comp, position_offset, ratio,

@@ -228,29 +228,48 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
 def decode_step_key(epilogue, ratio: int | None, coff: int | None):
     """The fused decode-step key of an epilogue key's configuration (its head_dim, dtype and
     arch) at ``ratio`` and ``coff``; None where there is none, or no ratio is given."""
-    if ratio is None or coff is None:
-        return None
-    forward = _key_for(ratio, coff, epilogue.head_dim, epilogue.dtype, epilogue.arch,
-                       Direction.FORWARD)
+    forward = _forward_of(epilogue, ratio, coff)
     if forward is None or not extend_plan.supports(forward):
         return None
     return window_plan.extend_store_key(extend_plan.for_size(forward, extend_plan.SizeClass.STEP),
                                         epilogue)
 
 
+def _forward_of(epilogue, ratio: int | None, coff: int | None):
+    """The forward key of an epilogue key's configuration at ``ratio`` and ``coff``; None
+    where no kernel runs it, or no ratio is given."""
+    if ratio is None or coff is None:
+        return None
+    return _key_for(ratio, coff, epilogue.head_dim, epilogue.dtype, epilogue.arch,
+                    Direction.FORWARD)
+
+
 def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
                         eps: float = 1e-6, dtype: torch.dtype | None = None,
                         weight_dtype: torch.dtype | None = None, position_offset: bool = False,
-                        arch: str | None = None):
+                        arch: str | None = None, ratio: int | None = None,
+                        coff: int | None = None):
     """Compile (or load) csa::compressor_epilogue's row-epilogue kernels of one epilogue,
-    forward and backward; ``position_offset``: calls that pass one. Returns their key, or
-    None where that epilogue runs as torch ops."""
+    forward and backward; ``position_offset``: calls that pass one. With ``ratio`` and
+    ``coff`` also the forward's fused kernel of that configuration, where one takes it.
+    Returns their key, or None where that epilogue runs as torch ops."""
     key = _epilogue_target("precompile_epilogue", head_dim, "none", rope_dim, rotate, eps,
                            dtype, weight_dtype, arch, position_offset)
     if key is not None:
         for direction in (Direction.EPILOGUE, Direction.EPILOGUE_BACKWARD):
             KERNELS.get(direction, key)
+        fused = training_forward_key(key, ratio, coff)
+        if fused is not None:
+            KERNELS.get(Direction.FORWARD_EPILOGUE, fused)
     return key
+
+
+def training_forward_key(epilogue, ratio: int | None, coff: int | None):
+    """The fused training-forward key of an epilogue key's configuration (its head_dim,
+    dtype and arch) at ``ratio`` and ``coff``; None where there is none, or no ratio is
+    given."""
+    forward = _forward_of(epilogue, ratio, coff)
+    return None if forward is None else window_plan.forward_epilogue_key(forward, epilogue)
 
 
 def _epilogue_target(entry: str, head_dim: int, cache_format: str, rope_dim: int, rotate: bool,

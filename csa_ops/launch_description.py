@@ -67,6 +67,12 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("num_slots", Arg.I32), ("table_rows", Arg.I32), ("table_width", Arg.I32),
         ("num_pages", Arg.I32), ("page_size", Arg.I32), ("page_bytes", Arg.I32),
         ("grid", Arg.I32)),
+    Direction.FORWARD_EPILOGUE: (
+        ("kv", Arg.DATA), ("score", Arg.DATA), ("ape", Arg.F32), ("cu", Arg.IDX),
+        ("cuc", Arg.IDX), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
+        ("position_offset", Arg.IDX), ("out", Arg.DATA), ("num_tokens", Arg.I32),
+        ("num_rows", Arg.I32), ("num_segs", Arg.I32), ("table_rows", Arg.I32),
+        ("grid", Arg.I32)),
     Direction.EPILOGUE: (
         ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
         ("cuc", Arg.IDX), ("position_offset", Arg.IDX), ("out", Arg.DATA),

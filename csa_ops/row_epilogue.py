@@ -5,7 +5,9 @@ kernels.
 - ``launch_store``: csa::compressor_extend_store's epilogue, encoding and paged store after
   the extend kernel (``STATE.store_kernel``).
 - ``launch_rows``: csa::compressor_epilogue's forward epilogue after csa::compressor's
-  kernel, rows packed (``STATE.training_epilogue_kernel``).
+  kernel, rows packed (``STATE.training_epilogue_kernel``); ``launch_forward_epilogue``
+  the whole forward in one kernel where the register-window family pools it
+  (``STATE.fused_training_forward`` too).
 - ``launch_rows_backward``: csa::compressor_epilogue_backward's way back through the
   epilogue, from grad_out and the recomputed pooled rows to their gradient and grad_weight
   (``STATE.training_epilogue_backward_kernel``).
@@ -61,14 +63,25 @@ def _route(on: bool):
 
 
 @contextlib.contextmanager
-def two_launch_step():
-    """Within: csa::compressor_extend_store's decode steps run as the extend kernel, then
-    the store kernel (the fused kernel's reference, and the benchmarks' baseline)."""
-    previous, STATE.fused_store_step = STATE.fused_store_step, False
+def _switched_off(flag: str):
+    previous = getattr(STATE, flag)
+    setattr(STATE, flag, False)
     try:
         yield
     finally:
-        STATE.fused_store_step = previous
+        setattr(STATE, flag, previous)
+
+
+def two_launch_step():
+    """Within: csa::compressor_extend_store's decode steps run as the extend kernel, then
+    the store kernel (the fused kernel's reference, and the benchmarks' baseline)."""
+    return _switched_off("fused_store_step")
+
+
+def two_launch_forward():
+    """Within: csa::compressor_epilogue's forward runs as csa::compressor's kernel, then the
+    row-epilogue kernel (the fused kernel's reference, and the benchmarks' baseline)."""
+    return _switched_off("fused_training_forward")
 
 
 def torch_route():
@@ -209,6 +222,49 @@ def _step_key(kv, num_requests: int, norm_weight, eps: float, rope_dim: int, rot
     epilogue = host.epilogue_key(kv.dtype, norm_weight.dtype, kv.shape[1] // coff, rope_dim,
                                  rotate, cache_format, eps, problem.key.arch)
     return None if epilogue is None else window_plan.extend_store_key(problem.key, epilogue)
+
+
+_FORWARD_INPUTS = ("kv", "score", "ape", "cu", "cuc", "norm_weight", "cos", "sin",
+                   "position_offset")
+
+
+def launch_forward_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: int,
+                            coff: int, total_comp: int, norm_weight, eps: float, cos, sin,
+                            rope_dim: int, position_offset, rotate: bool):
+    """csa::compressor_epilogue's whole forward in one launch (the register-window family's
+    fused kernel, kernels/window/forward_epilogue.py): ``launch_rows``' rows of
+    csa::compressor's ``total_comp`` rows, or None where that kernel does not take the call
+    (nothing launched: the pooling and row-epilogue kernels run it)."""
+    if not (STATE.training_epilogue_kernel and STATE.fused_training_forward and kv.is_cuda
+            and total_comp > 0):
+        return None
+    offsets = position_offset is not None
+    offset, cos, sin = _readable(kv, cu_seqlens_comp, position_offset, rope_dim, cos, sin)
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, norm_weight, cos, sin, offset)
+    signature = dispatch.signature(tensors, Direction.FORWARD_EPILOGUE, float(eps), rope_dim,
+                                   rotate, offsets, ratio, coff, total_comp)
+
+    def key_of(host):
+        found = host.problem(Direction.FORWARD, kv, score, cu_seqlens, cu_seqlens_comp, ratio,
+                             coff)
+        if found is None:
+            return None
+        epilogue = host.epilogue_key(kv.dtype, norm_weight.dtype, found.key.head_dim,
+                                     rope_dim, rotate, "none", eps, found.key.arch, offsets)
+        return None if epilogue is None else window_plan.forward_epilogue_key(found.key,
+                                                                             epilogue)
+
+    def constants(key):
+        return {"num_tokens": kv.shape[0], "num_rows": total_comp,
+                "num_segs": cu_seqlens.shape[0] - 1, "table_rows": max(cos.shape[0], 1),
+                "grid": window_plan.plan_forward_epilogue(key, total_comp).grid}
+
+    # Not compiled (a capture forbids compiling): None, so the two launches run it.
+    call = _prepared(
+        signature, Direction.FORWARD_EPILOGUE, _FORWARD_INPUTS,
+        {"out": ("kv", (total_comp, kv.shape[1] // coff))}, (), key_of, constants,
+        kv.device.index or 0, live="kv", to_float=("ape",), compiled_only=True)
+    return None if call is None else call(*tensors)
 
 
 def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight, eps: float,

@@ -55,6 +55,7 @@ class ProcessState:
         self.store_kernel = True
         self.fused_store_step = True  # ... a decode step's in one kernel with its pooling
         self.training_epilogue_kernel = True
+        self.fused_training_forward = True  # ... its forward in one kernel with its pooling
         self.training_epilogue_backward_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native

@@ -162,6 +162,13 @@ def test_routes_and_defaults():
         return (STATE.store_kernel, STATE.training_epilogue_kernel,
                 STATE.training_epilogue_backward_kernel)
 
+    assert STATE.fused_store_step and STATE.fused_training_forward
+    for two_launches, flag in ((row_epilogue.two_launch_step, "fused_store_step"),
+                               (row_epilogue.two_launch_forward, "fused_training_forward")):
+        with two_launches():
+            assert not getattr(STATE, flag)
+        assert getattr(STATE, flag)
+
     assert flags() == (True, True, True)
     with row_epilogue.torch_route():
         assert flags() == (False, False, False)
@@ -173,6 +180,11 @@ def test_routes_and_defaults():
                                             None, 0, False) is None
             assert row_epilogue.launch_rows_backward(rows, rows, cuc, None, 4, torch.ones(64),
                                                      1e-6, None, None, 0, False) is None
+            kv = torch.randn(24, 128)
+            cu = torch.tensor([0, 16, 24], dtype=torch.int32)
+            assert row_epilogue.launch_forward_epilogue(
+                kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, 6, torch.ones(64), 1e-6, None, None,
+                0, None, False) is None
         assert flags() == (False, False, False)
     assert flags() == (True, True, True)
 
@@ -235,6 +247,77 @@ def test_the_decode_step_key_holds_its_two_keys_together():
         ExtendStoreKey(with_knobs(step.extend, vec=2, threads=256), epilogue)
     with pytest.raises(ValueError, match="in the epilogue's CTA"):  # row items: another CTA's
         ExtendStoreKey(with_knobs(step.extend, request_rows=False), epilogue)
+
+
+# csa::compressor_epilogue's forward in one kernel (kernels/window/forward_epilogue.py):
+# (ratio, coff, dtype, weight dtype, head_dim, rope_dim, rotate, position_offset), rows of
+# one to four warps, both coffs, every row dtype.
+TRAINING_FORWARDS = (
+    (4, 2, torch.bfloat16, torch.float32, 512, 64, False, True),
+    (4, 2, torch.bfloat16, torch.bfloat16, 128, 64, True, False),
+    (4, 1, torch.float16, torch.float32, 256, 0, False, False),
+    (2, 2, torch.float32, torch.float32, 512, 64, True, True),
+)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", TRAINING_FORWARDS,
+                         ids=["-".join(map(str, (r, c, str(t)[6:], d))) for r, c, t, _, d, _, _, _
+                              in TRAINING_FORWARDS])
+def test_the_training_forward_kernel_compiles_for_its_configuration(config, arch):
+    ratio, coff, dtype, weight, d, rope, rotate, offsets = config
+    key = csa_ops.precompile_epilogue(d, rope, rotate, 1e-6, dtype, weight, offsets, arch,
+                                      ratio=ratio, coff=coff)
+    fused = host.training_forward_key(key, ratio, coff)
+    assert fused is not None and fused.epilogue == key and fused.arch == arch
+    assert (fused.forward.knobs.vec, fused.forward.knobs.threads) == (key.vec, key.threads)
+    # The pooling's knobs that fix a row's bits are the forward key's.
+    forward = host.select_key(ratio, coff, d, str(dtype)[6:], arch, Direction.FORWARD)
+    assert fused.forward.knobs.fast_exp == forward.knobs.fast_exp
+    hits = host.KERNELS.hits
+    host.KERNELS.get(Direction.FORWARD_EPILOGUE, fused)
+    assert host.KERNELS.hits == hits + 1  # the precompile call held it in memory
+    ptx = compile_cache.ptx(Direction.FORWARD_EPILOGUE, fused)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    # The epilogue's correctly rounded square root, once; no approximate one.
+    assert ptx.count("sqrt.rn.f32") == 1
+    assert "sqrt.approx" not in ptx and "rsqrt" not in ptx
+    # No pooled row goes to global memory: the one row store is the epilogue's output.
+    assert len(re.findall(r"\bst\.global", ptx)) == key.vec
+
+
+@pytest.mark.parametrize("ratio, coff, d, dtype, why", [
+    (128, 1, 512, "bfloat16", "the streaming family pools it"),
+    (16, 2, 512, "bfloat16", "ape's window-32 rows past the shared memory it takes"),
+    (16, 2, 128, "bfloat16", "a window of 32 at 4 columns a thread: past the registers"),
+    (4, 2, 64, "bfloat16", "half a warp per row"),
+    (4, 2, 1024, "float32", "32-byte vectors"),
+])
+def test_the_training_forward_kernel_declines_what_one_cta_cannot_hold(ratio, coff, d, dtype,
+                                                                        why):
+    epilogue = plan.configure(dtype, "float32", d, 0, False, "none", 1e-6, "sm_90a")
+    assert plan.supports(epilogue)
+    assert host.training_forward_key(epilogue, ratio, coff) is None, why
+    assert host.training_forward_key(epilogue, None, None) is None
+
+
+def test_the_training_forward_key_holds_its_two_keys_together():
+    from csa_ops.config import with_knobs
+    from csa_ops.kernels.window.plan import ForwardEpilogueKey
+
+    epilogue = plan.configure("bfloat16", "float32", 512, 64, False, "none", 1e-6, "sm_90a")
+    fused = host.training_forward_key(epilogue, 4, 2)
+    assert fused.family == "window" and (fused.dtype, fused.arch) == ("bfloat16", "sm_90a")
+    assert fused.weight_dtype == "float32" and fused.align_bytes == 8
+    with pytest.raises(ValueError, match="agree on dtype, arch and head_dim"):
+        ForwardEpilogueKey(fused.forward, plan.configure("bfloat16", "float32", 256, 64,
+                                                         False, "none", 1e-6, "sm_90a"))
+    with pytest.raises(ValueError, match="in the epilogue's CTA"):
+        ForwardEpilogueKey(with_knobs(fused.forward, vec=2, threads=256), epilogue)
+    with pytest.raises(ValueError, match="writes rows"):
+        ForwardEpilogueKey(fused.forward, plan.configure("bfloat16", "float32", 512, 64,
+                                                         False, "fp8_ds_mla", 1e-6, "sm_90a"))
 
 
 @pytest.mark.parametrize("cache_format", sorted(cache_formats.SCALE_TOP))

@@ -70,7 +70,9 @@ KERNELS = {
                Direction.BACKWARD: "backward:WindowBackward",
                Direction.EXTEND: "extend:WindowExtend",
                # csa::compressor_extend_store's decode step (an ExtendStoreKey)
-               Direction.EXTEND_STORE: "extend_store:WindowExtendStore"},
+               Direction.EXTEND_STORE: "extend_store:WindowExtendStore",
+               # csa::compressor_epilogue's forward (a ForwardEpilogueKey)
+               Direction.FORWARD_EPILOGUE: "forward_epilogue:WindowForwardEpilogue"},
     "streaming": {Direction.FORWARD: "kernels:StreamingForward",
                   Direction.BACKWARD: "kernels:StreamingBackward",
                   Direction.EXTEND: "extend:StreamingExtend"},

@@ -19,7 +19,7 @@ from helpers import PackSpec, assert_bitwise_equal, make_pack
 from serving_helpers import make_requests, permuted_slots, random_schedule, step_inputs
 
 import csa_ops
-from csa_ops import CompressorState, epilogue, reference_epilogue, serving_store
+from csa_ops import CompressorState, epilogue, host, reference_epilogue, row_epilogue, serving_store
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -68,9 +68,10 @@ def rope_tables(rope_dim: int, max_position: int, device):
 # The training op.
 
 
-def training_inputs(config: Config, device, seed: int = 0, requires_grad: bool = False):
+def training_inputs(config: Config, device, seed: int = 0, requires_grad: bool = False,
+                    dtype=DTYPE, ape_dtype=torch.float32):
     """The op's arguments by name, at a static capacity with position offsets."""
-    pack = make_pack(config.spec, DTYPE, device=device, seed=seed)
+    pack = make_pack(config.spec, dtype, device=device, seed=seed, ape_dtype=ape_dtype)
     gen = torch.Generator().manual_seed(seed + 100)
     weight = (1 + 0.25 * torch.randn(config.head_dim, generator=gen)).to(device)
     offsets = torch.randint(0, 8, (len(config.lengths),), generator=gen, dtype=torch.int32)
@@ -261,6 +262,76 @@ def test_gradients_match_torch_autograd_of_the_composition(config):
         assert a.dtype == e.dtype and a.shape == e.shape, name
         scale = float(e.abs().max()) + 1e-30
         torch.testing.assert_close(a, e, rtol=0, atol=tolerance * scale, msg=name)
+
+
+# ---------------------------------------------------------------------------------------
+# The training forward in one kernel (the register-window family's configurations).
+
+# (config, rows' dtype, ape's dtype, weight dtype, position offsets): both coffs, every row
+# dtype (fp32: the exact softmax), ape upcast, weights of each dtype, with and without
+# offsets, a rotated row of one warp.
+FUSED_FORWARDS = {
+    "d512-bf16": (MAIN, torch.bfloat16, torch.float32, torch.float32, True),
+    "d128-rot-bf16-ape": (INDEXER, torch.bfloat16, torch.bfloat16, torch.bfloat16, False),
+    "d512-fp16": (MAIN, torch.float16, torch.float32, torch.float16, True),
+    "d256-c1-fp32": (Config("d256_r4_c1", 4, 1, 256, 32, False, (33, 0, 7, 260), 3, 5),
+                     torch.float32, torch.float32, torch.float32, False),
+    "d512-r2-norope": (Config("d512_r2_c2", 2, 2, 512, 0, True, (1, 2, 3, 401), 0, 2),
+                       torch.bfloat16, torch.float32, torch.float32, True),
+}
+
+
+def fused_inputs(name: str, seed: int = 0) -> dict:
+    config, dtype, ape_dtype, weight_dtype, offsets = FUSED_FORWARDS[name]
+    inputs = training_inputs(config, DEVICE, seed, dtype=dtype, ape_dtype=ape_dtype)
+    inputs["norm_weight"] = inputs["norm_weight"].to(weight_dtype)
+    if not offsets:
+        inputs["position_offset"] = None
+    return inputs
+
+
+@pytest.mark.parametrize("name", list(FUSED_FORWARDS))
+def test_the_fused_forward_writes_the_two_launches_bytes(name):
+    """The forward in one launch (kernels/window/forward_epilogue.py) against the pooling
+    kernel followed by the row-epilogue kernel: every byte, padding rows zeros; the None
+    capacity (a host sync) gives the true rows."""
+    inputs = fused_inputs(name)
+    args = positional(inputs)
+    fused = row_epilogue.launch_forward_epilogue(*args[:7], inputs["total_comp"],
+                                                 *args[7:12], inputs["position_offset"],
+                                                 inputs["rotate"])
+    assert fused is not None, "the fused kernel does not take the call"
+    with row_epilogue.two_launch_forward():
+        two = FORWARD(*args)
+    assert_bitwise_equal(fused, two, "fused rows")
+    assert_bitwise_equal(FORWARD(*args), two, "the op's rows")
+    true_rows = inputs["cu_seqlens_comp"][-1].item()
+    unsized = FORWARD(*args[:-1], None)
+    assert_bitwise_equal(unsized, two[:true_rows], "total_comp=None")
+    if inputs["position_offset"] is not None and inputs["rope_dim"]:
+        # The same bits as the CPU composition of the CUDA pooled rows.
+        assert_bitwise_equal(fused.cpu(), cpu_composition(inputs), "against the CPU")
+
+
+def test_a_captured_fused_forward_replays_the_eager_bytes():
+    """precompile_epilogue with the configuration builds the fused kernel, so a capture
+    takes it (no kernel is loaded during the capture); a replay over new inputs writes what
+    an eager call does."""
+    config = MAIN
+    csa_ops.precompile_epilogue(config.head_dim, config.rope_dim, config.rotate, EPS, DTYPE,
+                                torch.float32, True, ratio=config.ratio, coff=config.coff)
+    inputs, fresh = training_inputs(config, DEVICE, seed=5), training_inputs(config, DEVICE,
+                                                                             seed=6)
+    compiled = host.KERNELS.info()["size"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = FORWARD(*positional(inputs))
+    assert host.KERNELS.info()["size"] == compiled, "a kernel was loaded during the capture"
+    for name in ("kv", "score", "ape", "norm_weight"):
+        inputs[name].copy_(fresh[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, FORWARD(*positional(inputs)), "replayed rows")
 
 
 # ---------------------------------------------------------------------------------------

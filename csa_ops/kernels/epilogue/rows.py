@@ -180,6 +180,20 @@ class RowEpilogue:
         """Whether this thread's k-th strided column is a RoPE column."""
         return tid + k * self.T >= self.D - self.rope_dim
 
+    @cute.jit
+    def strided(self, rO: cute.Tensor, sRow: cute.Tensor, tid: Int32) -> cute.Tensor:
+        """The strided fp32 registers of a row the threads hold contiguously (thread t:
+        columns [t * vec, (t + 1) * vec) in the row dtype, as a pooling kernel leaves them),
+        through sRow, which is free again on return."""
+        for k in cutlass.range_constexpr(self.V):
+            sRow[tid * self.V + k] = Float32(rO[k])
+        cute.arch.sync_threads()
+        rX = self.row_registers()
+        for k in cutlass.range_constexpr(self.V):
+            rX[k] = sRow[tid + k * self.T]
+        cute.arch.sync_threads()  # the epilogue's exchanges reuse sRow
+        return rX
+
     def row_registers(self) -> cute.Tensor:
         return cute.make_rmem_tensor((self.V,), Float32)
 

@@ -61,6 +61,11 @@ class RowEpilogueRows(RowEpilogue):
         rX = self.load_row(p_rows, n, tid)
         if valid:
             self.finish_row(rX, rWeight, angles, sRow, tid)
+        self.store_row(p_out, n, rX, valid, tid)
+
+    @cute.jit
+    def store_row(self, p_out, n, rX: cute.Tensor, valid, tid: Int32):
+        """Row n of the packed output: rX in the row dtype, zeros where not ``valid``."""
         out = cute.make_tensor(p_out + Int64(n) * self.D, self.D)
         for k in cutlass.range_constexpr(self.V):
             out[tid + k * self.T] = self.dtype(cm.pick(valid, rX[k], Float32(0.0)))

@@ -51,13 +51,7 @@ class WindowExtendStore(WindowExtend):
         if writes:
             if cutlass.const_expr(after_row):
                 cute.arch.sync_threads()  # the earlier row's readers of sRow are done
-            for k in cutlass.range_constexpr(self.V):
-                sRow[tid * self.V + k] = Float32(rO[k])
-            cute.arch.sync_threads()
-            rX = self.epi.row_registers()
-            for k in cutlass.range_constexpr(self.V):
-                rX[k] = sRow[tid + k * self.nt]
-            cute.arch.sync_threads()  # the epilogue's exchanges reuse sRow
+            rX = self.epi.strided(rO, sRow, tid)
             self.epi.finish_and_store(rX, rWeight, angles, sRow, p_cache, data, scale, tid)
 
     @cute.kernel

@@ -17,6 +17,32 @@ from .rows import WindowKernel
 
 
 class WindowForward(WindowKernel):
+    @cute.jit
+    def issue_window(self, p_kv, p_score, cu, cuc, n, cv, active, num_tokens: Int32,
+                     num_segs: Int32):
+        """(rKV, rS, valid, first) of row n's column vector cv: the row looked up and its
+        window's loads issued (no window where the row is inactive or not valid)."""
+        rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
+        rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
+        valid = cutlass.Boolean(False)
+        first = cutlass.Boolean(False)
+        if active:
+            valid, t0, first, _, _, _ = segments.locate_row(cu, cuc, num_segs, num_tokens, n,
+                                                            self.R)
+            if valid:
+                self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+        return rKV, rS, valid, first
+
+    @cute.jit
+    def pooled(self, rKV, rS, sApe, cvl, valid, first):
+        """The row's V columns in the row dtype (zeros where the row is not valid), once
+        ape is staged."""
+        rO = cute.make_rmem_tensor((self.V,), self.dtype)
+        rO.fill(0.0)
+        if valid:
+            self.pool_window(rO, rKV, rS, sApe, cvl, first)
+        return rO
+
     @cute.kernel
     def kernel(self, p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens: Int32,
                num_rows: Int32, num_segs: Int32):
@@ -31,25 +57,18 @@ class WindowForward(WindowKernel):
         cm.assert_offsets_fit(cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
-        rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
-        rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
         active = n < num_rows and (not self.ragged_cols or cv < self.tpr)
-        valid = cutlass.Boolean(False)
-        first = cutlass.Boolean(False)
-        if active:
-            valid, t0, first, _, _, _ = segments.locate_row(cu, cuc, num_segs, num_tokens, n,
-                                                            self.R)
-            if valid:
-                # Issued before the ape barrier so the window's DRAM latency overlaps it.
-                self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+        # The window's loads are issued before the ape barrier: their DRAM latency overlaps it.
+        rKV, rS, valid, first = self.issue_window(p_kv, p_score, cu, cuc, n, cv, active,
+                                                  num_tokens, num_segs)
         self.stage_ape(p_ape, sApe, by, tid)
         if active:
-            rO = cute.make_rmem_tensor((self.V,), self.dtype)
-            rO.fill(0.0)
-            if valid:
-                self.pool_window(rO, rKV, rS, sApe, cvl, first)
+            rO = self.pooled(rKV, rS, sApe, cvl, valid, first)
             o_off = cute.assume(Int64(n) * self.D + cv * self.V, divby=self.V)
             cute.autovec_copy(rO, cute.make_tensor(p_out + o_off, self.V))
+
+    def smem_bytes(self) -> int:
+        return self.W * self.cvc * self.V * 4 + 16  # ape's (W, cvc * V) fp32
 
     @cute.jit
     def __call__(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
@@ -58,5 +77,5 @@ class WindowForward(WindowKernel):
                  grid: Int32, stream: cuda.CUstream):
         self.kernel(p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens, num_rows,
                     num_segs).launch(grid=self.launch_grid(grid), block=(self.threads, 1, 1),
-                                     smem=self.W * self.cvc * self.V * 4 + 16, stream=stream,
+                                     smem=self.smem_bytes(), stream=stream,
                                      use_pdl=self.pdl)

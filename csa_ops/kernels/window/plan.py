@@ -216,14 +216,58 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
                  for part in extend_launches(key))
 
 
-# csa::compressor_extend_store's decode steps in one launch (extend_store.py): a request per
-# CTA, whose threads are the row epilogue's, so the rows its tokens complete go through the
-# epilogue and into the cache where they are pooled.
-EXTEND_STORE_SMEM = 40 * 1024  # bytes: below the 48 KiB a launch gets without opting in
+# Kernels that fuse the row epilogue into the pooling (a CTA's threads are the epilogue's, so
+# a pooled row goes through it where it is pooled): csa::compressor_extend_store's decode
+# steps (extend_store.py, a request per CTA) and csa::compressor_epilogue's forward
+# (forward_epilogue.py, a row per CTA).
+FUSED_SMEM = 40 * 1024  # bytes: below the 48 KiB a launch gets without opting in
+
+
+class _FusedKey:
+    """What a key of a pooling kernel fused with the row epilogue derives from its pooling
+    key (the field ``pooling_field`` names) and its ``epilogue`` key, whose dtype, arch and
+    head_dim agree and whose CTA shapes are one."""
+
+    family = "window"  # the kernel package (kernels.families.KERNELS)
+    pooling_field = ""
+
+    @property
+    def pooling(self) -> KernelKey:
+        return getattr(self, self.pooling_field)
+
+    def check_keys(self) -> None:
+        p, x, name = self.pooling, self.epilogue, type(self).__name__
+        if (p.dtype, p.arch) != (x.dtype, x.arch) or p.head_dim != x.head_dim:
+            raise ValueError(f"{name}: the {self.pooling_field} and epilogue keys must agree "
+                             f"on dtype, arch and head_dim, got {p!r} and {x!r}")
+        if (p.knobs.vec, p.knobs.threads) != (x.vec, x.threads):
+            raise ValueError(f"{name}: the {self.pooling_field} key must pool in the "
+                             f"epilogue's CTA ({x.threads} threads of {x.vec} columns), got "
+                             f"{p.knobs!r}")
+
+    dtype = property(lambda self: self.pooling.dtype)
+    arch = property(lambda self: self.pooling.arch)
+    align_bytes = property(lambda self: self.pooling.align_bytes)
+    weight_dtype = property(lambda self: self.epilogue.weight_dtype)
+    cache_dtype = property(lambda self: self.epilogue.cache_dtype)
+
+
+def _epilogue_cta(key: KernelKey, epilogue: EpilogueKey) -> KernelKey | None:
+    """``key`` launched in the epilogue's CTA (a whole row of ``threads`` threads of ``vec``
+    columns), None where one CTA cannot be both: the epilogue's CTA is not whole warps (a
+    row of fewer than 128 columns), its columns per thread exceed one 16-byte access of
+    the row dtype or the window's registers (64 elements of kv and of score a thread), or
+    ape's whole rows and the row's fp32 buffer exceed FUSED_SMEM."""
+    threads, vec = epilogue.threads, epilogue.vec
+    if key.family != "window" or threads % 32 or vec * key.elem_bytes > 16:
+        return None
+    if vec * key.window > 64 or (key.window + 1) * key.head_dim * 4 > FUSED_SMEM:
+        return None
+    return with_knobs(key, vec=vec, threads=threads)
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtendStoreKey:
+class ExtendStoreKey(_FusedKey):
     """The decode step's fused kernel: the extend key it pools and updates the state with
     (a request's item pools its rows; whole rows per CTA) and the epilogue key of what
     follows. Both keys' dtype and arch agree."""
@@ -231,40 +275,54 @@ class ExtendStoreKey:
     extend: KernelKey
     epilogue: EpilogueKey
 
-    family = "window"  # the kernel package (kernels.families.KERNELS)
+    pooling_field = "extend"
 
     def __post_init__(self) -> None:
-        e, x = self.extend, self.epilogue
-        if (e.dtype, e.arch) != (x.dtype, x.arch) or e.head_dim != x.head_dim:
-            raise ValueError(f"ExtendStoreKey: the extend and epilogue keys must agree on "
-                             f"dtype, arch and head_dim, got {e!r} and {x!r}")
-        if not e.knobs.request_rows or (e.knobs.vec, e.knobs.threads) != (x.vec, x.threads):
+        self.check_keys()
+        if not self.extend.knobs.request_rows:
             raise ValueError(f"ExtendStoreKey: the extend key must pool its requests' rows "
-                             f"in the epilogue's CTA ({x.threads} threads of {x.vec} "
-                             f"columns), got {e.knobs!r}")
-
-    dtype = property(lambda self: self.extend.dtype)
-    arch = property(lambda self: self.extend.arch)
-    align_bytes = property(lambda self: self.extend.align_bytes)
-    weight_dtype = property(lambda self: self.epilogue.weight_dtype)
-    cache_dtype = property(lambda self: self.epilogue.cache_dtype)
+                             f"in the epilogue's CTA, got {self.extend.knobs!r}")
 
 
 def extend_store_key(key: KernelKey, epilogue: EpilogueKey) -> ExtendStoreKey | None:
     """The fused key of a decode step whose extend key is `key` (extend_key's, size class
-    STEP) and whose epilogue is `epilogue`; None where one CTA cannot be both: the
-    epilogue's CTA is not whole warps (a row of fewer than 128 columns) or its columns per
-    thread exceed one 16-byte access of the row dtype."""
+    STEP) and whose epilogue is `epilogue`; None where one CTA cannot be both
+    (_epilogue_cta)."""
     if key.family != "window" or not key.knobs.request_rows:
         return None
-    threads, vec = epilogue.threads, epilogue.vec
-    if threads % 32 or vec * key.elem_bytes > 16:
-        return None
-    if (key.window + 1) * key.head_dim * 4 > EXTEND_STORE_SMEM:
-        return None  # ape's whole rows and the row's buffer, in fp32
-    return ExtendStoreKey(with_knobs(key, vec=vec, threads=threads), epilogue)
+    fused = _epilogue_cta(key, epilogue)
+    return None if fused is None else ExtendStoreKey(fused, epilogue)
 
 
 def plan_extend_store(key: ExtendStoreKey, num_requests: int) -> LaunchPlan:
     """A CTA per request (at least one: it writes cu_seqlens_comp)."""
     return LaunchPlan(grid=max(1, num_requests))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardEpilogueKey(_FusedKey):
+    """csa::compressor_epilogue's forward in one kernel: the forward key it pools with (its
+    knobs fix the rows' bits; whole rows per CTA) and the training epilogue's key."""
+
+    forward: KernelKey
+    epilogue: EpilogueKey
+
+    pooling_field = "forward"
+
+    def __post_init__(self) -> None:
+        self.check_keys()
+        if self.epilogue.cache_format != "none":
+            raise ValueError(f"ForwardEpilogueKey: the training epilogue writes rows (cache "
+                             f"format 'none'), got {self.epilogue.cache_format!r}")
+
+
+def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilogueKey | None:
+    """The fused key of a training forward whose pooling key is `key` (the forward's) and
+    whose epilogue is `epilogue`; None where one CTA cannot be both (_epilogue_cta)."""
+    fused = _epilogue_cta(key, epilogue)
+    return None if fused is None else ForwardEpilogueKey(fused, epilogue)
+
+
+def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int) -> LaunchPlan:
+    """A CTA per row (at least one)."""
+    return LaunchPlan(grid=max(1, num_rows))
