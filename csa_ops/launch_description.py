@@ -72,7 +72,7 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("cuc", Arg.IDX), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
         ("position_offset", Arg.IDX), ("out", Arg.DATA), ("num_tokens", Arg.I32),
         ("num_rows", Arg.I32), ("num_segs", Arg.I32), ("table_rows", Arg.I32),
-        ("grid", Arg.I32)),
+        ("rows_per_cta", Arg.I32), ("grid", Arg.I32)),
     Direction.EPILOGUE: (
         ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
         ("cuc", Arg.IDX), ("position_offset", Arg.IDX), ("out", Arg.DATA),

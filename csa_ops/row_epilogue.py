@@ -255,9 +255,11 @@ def launch_forward_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: 
                                                                              epilogue)
 
     def constants(key):
+        sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
+        plan, rows_per_cta = window_plan.plan_forward_epilogue(key, total_comp, sms)
         return {"num_tokens": kv.shape[0], "num_rows": total_comp,
                 "num_segs": cu_seqlens.shape[0] - 1, "table_rows": max(cos.shape[0], 1),
-                "grid": window_plan.plan_forward_epilogue(key, total_comp).grid}
+                "rows_per_cta": rows_per_cta, "grid": plan.grid}
 
     # Not compiled (a capture forbids compiling): None, so the two launches run it.
     call = _prepared(

@@ -37,7 +37,13 @@ class RowEpilogueRows(RowEpilogue):
         segment too, at position 0, as the reference's), its segment the reference's
         (segments.lookup_row: every load in bounds for any offsets' contents)."""
         cuc = cute.make_tensor(p_cuc, num_segs + 1)
-        row = segments.lookup_row(None, cuc, num_segs, n)
+        return self.place(segments.lookup_row(None, cuc, num_segs, n), cuc, p_offset, n,
+                          num_segs, ratio)
+
+    @cute.jit
+    def place(self, row: segments.RowLookup, cuc: cute.Tensor, p_offset, n: Int32,
+              num_segs: Int32, ratio):
+        """position()'s (valid, position) of output row n from its lookup."""
         valid = n < cuc[num_segs]
         position = Int64(0)
         if row.real:

@@ -75,16 +75,22 @@ def locate_row(
     n: Int32,
     ratio: cutlass.Constexpr[int],
 ):
-    """(valid, t0, first_block, s, u0, u1) of output row n (lookup_row's).
+    """(valid, t0, first_block, s, u0, u1) of output row n: row_window's of its lookup_row;
+    s >= 0 and u0 >= 0 whenever (u0, u1) = (cu[s], cu[s+1]); else s = -1."""
+    row = lookup_row(cu, cuc, num_segs, n)
+    seg = cutlass.select_(row.token_begin >= 0 and num_segs > 0, row.segment, Int32(-1))
+    valid, t0, first = row_window(row, num_tokens, n, ratio)
+    return valid, t0, first, seg, row.token_begin, row.token_end
+
+
+@cute.jit
+def row_window(row: RowLookup, num_tokens: Int32, n: Int32, ratio: cutlass.Constexpr[int]):
+    """(valid, t0, first_block) of output row n from its lookup (token bounds loaded).
 
     valid needs n inside its segment's row range and the row's `ratio` tokens inside both
-    the segment and [0, num_tokens); t0 is then the row's first own token. s >= 0 and
-    u0 >= 0 whenever (u0, u1) = (cu[s], cu[s+1]); else s = -1.
+    the segment and [0, num_tokens); t0 is then the row's first own token.
     """
-    row = lookup_row(cu, cuc, num_segs, n)
     u0 = row.token_begin
-    u1 = row.token_end
-    seg = cutlass.select_(u0 >= 0 and num_segs > 0, row.segment, Int32(-1))
     valid = Boolean(False)
     t0 = Int32(0)
     first = Boolean(False)
@@ -92,11 +98,11 @@ def locate_row(
     if row.row_begin <= n and n < row.row_end and u0 >= 0:  # noqa: PLR1716
         block = Int64(n) - Int64(row.row_begin)
         end = Int64(u0) + (block + 1) * ratio
-        if end <= Int64(u1) and end <= Int64(num_tokens):
+        if end <= Int64(row.token_end) and end <= Int64(num_tokens):
             valid = Boolean(True)
             t0 = Int32(end - ratio)
             first = block == 0
-    return valid, t0, first, seg, u0, u1
+    return valid, t0, first
 
 
 @cute.jit

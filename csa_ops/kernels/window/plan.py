@@ -323,6 +323,17 @@ def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilog
     return None if fused is None else ForwardEpilogueKey(fused, epilogue)
 
 
-def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int) -> LaunchPlan:
-    """A CTA per row (at least one)."""
-    return LaunchPlan(grid=max(1, num_rows))
+# The threads per SM the fused forward's grid aims at: resident CTAs enough to keep the
+# window loads of their next rows in flight while their epilogues run.
+FORWARD_EPILOGUE_THREADS_PER_SM = 1024
+
+
+def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
+                          num_sms: int) -> tuple[LaunchPlan, int]:
+    """(plan, rows per CTA): consecutive rows per CTA, as few as fill the SMs with
+    FORWARD_EPILOGUE_THREADS_PER_SM threads each, at most one per thread (a thread looks
+    one up); at least one CTA."""
+    threads = key.epilogue.threads
+    ctas = num_sms * max(1, FORWARD_EPILOGUE_THREADS_PER_SM // threads)
+    rows_per_cta = min(threads, max(1, -(-num_rows // ctas)))
+    return LaunchPlan(grid=max(1, -(-num_rows // rows_per_cta))), rows_per_cta
