@@ -78,9 +78,15 @@ def locate_row(
     """(valid, t0, first_block, s, u0, u1) of output row n: row_window's of its lookup_row;
     s >= 0 and u0 >= 0 whenever (u0, u1) = (cu[s], cu[s+1]); else s = -1."""
     row = lookup_row(cu, cuc, num_segs, n)
-    seg = cutlass.select_(row.token_begin >= 0 and num_segs > 0, row.segment, Int32(-1))
+    seg = segment_of(row, num_segs)
     valid, t0, first = row_window(row, num_tokens, n, ratio)
     return valid, t0, first, seg, row.token_begin, row.token_end
+
+
+@cute.jit
+def segment_of(row: RowLookup, num_segs: Int32) -> Int32:
+    """locate_row's s of a lookup with token bounds: its segment, -1 where none is."""
+    return cutlass.select_(row.token_begin >= 0 and num_segs > 0, row.segment, Int32(-1))
 
 
 @cute.jit

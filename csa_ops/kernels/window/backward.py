@@ -106,6 +106,13 @@ class WindowBackward(WindowKernel):
         g_off = cute.assume(Int64(n) * self.D + cv * V, divby=V)
         cute.autovec_copy(cute.make_tensor(p_gout + g_off, V), rG)
         self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
+        self.window_grads(rKV, rS, rG, p_gkv, p_gs, sApe, sAcc, t0, first, cv, cvl, tid)
+
+    @cute.jit
+    def window_grads(self, rKV, rS, rG, p_gkv, p_gs, sApe, sAcc, t0, first, cv, cvl, tid):
+        """A row's window gradients from its loaded window and its output gradient rG (the
+        row dtype), stored; the window's grad_ape terms added to the thread's partials."""
+        V, W = self.V, self.W
         rGKV = cute.make_rmem_tensor((V, W), self.dtype)
         rGS = cute.make_rmem_tensor((V, W), self.dtype)
         rGL = cute.make_rmem_tensor((V, W), Float32)
@@ -152,12 +159,7 @@ class WindowBackward(WindowKernel):
         cm.assert_offsets_fit(cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
-        # Each thread owns W vectors of V partials (one per window entry), contiguous, so
-        # a row adds into them with one 8- or 16-byte access per entry, conflict-free.
-        sAcc = smem.allocate_tensor(Float32, cute.make_layout(
-            ((self.V, self.W), self.threads), stride=((1, self.threads * self.V), self.V)), 16)
-        for j in cutlass.range(self.W * self.V):
-            sAcc[(j % self.V, j // self.V), tid] = Float32(0.0)
+        sAcc = self.ape_accumulators(smem, tid)
         self.stage_ape(p_ape, sApe, by, tid)
         num_slots = cutlass.max((num_tokens + (self.R - 1)) // self.R, num_rows)
         if not self.ragged_cols or cv < self.tpr:
@@ -175,7 +177,23 @@ class WindowBackward(WindowKernel):
                 self.zero_chunk(p_gkv, p_gs, cu, cuc, num_segs, num_tokens, num_rows, slot, cv,
                                 seg, u0, u1)
         cute.arch.sync_threads()
-        # Fixed-order sum over the CTA's rows of threads: one partial per CTA.
+        self.write_ape_partial(sAcc, p_work, bx, by, gx, tid)
+
+    @cute.jit
+    def ape_accumulators(self, smem, tid):
+        """The thread's grad_ape partials, zeroed: W vectors of V (one per window entry),
+        contiguous, so a row adds into them with one 8- or 16-byte access per entry,
+        conflict-free."""
+        sAcc = smem.allocate_tensor(Float32, cute.make_layout(
+            ((self.V, self.W), self.threads), stride=((1, self.threads * self.V), self.V)), 16)
+        for j in cutlass.range(self.W * self.V):
+            sAcc[(j % self.V, j // self.V), tid] = Float32(0.0)
+        return sAcc
+
+    @cute.jit
+    def write_ape_partial(self, sAcc, p_work, bx, by, gx, tid):
+        """Fixed-order sum over the CTA's rows of threads: one grad_ape partial per CTA, in
+        the workspace's first gx * E elements. After a barrier past the last row."""
         mWork = cute.make_tensor(p_work, gx * self.E)
         for e in cutlass.range(tid, self.ape_partials, self.threads):
             k = e // (self.cvc * self.V)
@@ -189,18 +207,23 @@ class WindowBackward(WindowKernel):
                 half = k // self.R
                 mWork[(bx * self.R + ape_row) * self.row_elems + half * self.D + col] = total
 
+    def smem_bytes(self, extra: int = 0) -> int:
+        """ape's rows, the grad_ape partials, then ``extra`` bytes; padded to the balanced
+        size (the balance knob)."""
+        smem_bytes = (self.W * self.cvc * self.V + self.W * self.V * self.threads) * 4 + 64
+        smem_bytes += extra
+        return max(smem_bytes, _BALANCED_SMEM) if self.balance else smem_bytes
+
     @cute.jit
     def __call__(self, p_gout: cute.Pointer, p_kv: cute.Pointer, p_score: cute.Pointer,
                  p_ape: cute.Pointer, p_cu: cute.Pointer, p_cuc: cute.Pointer,
                  p_gkv: cute.Pointer, p_gs: cute.Pointer, p_gape: cute.Pointer,
                  p_work: cute.Pointer, num_tokens: Int32, num_rows: Int32, num_segs: Int32,
                  grid: Int32, stream: cuda.CUstream):
-        smem_bytes = (self.W * self.cvc * self.V + self.W * self.V * self.threads) * 4 + 64
-        if cutlass.const_expr(self.balance):
-            smem_bytes = max(smem_bytes, _BALANCED_SMEM)
         self.kernel(p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_gkv, p_gs, p_work, num_tokens,
                     num_rows, num_segs).launch(grid=self.launch_grid(grid),
-                                               block=(self.threads, 1, 1), smem=smem_bytes,
+                                               block=(self.threads, 1, 1),
+                                               smem=self.smem_bytes(),
                                                stream=stream, use_pdl=self.pdl,
                                                min_blocks_per_mp=self.min_ctas,
                                                preferred_smem_carveout=100)

@@ -33,16 +33,6 @@ class WindowForward(WindowKernel):
                 self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
         return rKV, rS, valid, first
 
-    @cute.jit
-    def pooled(self, rKV, rS, sApe, cvl, valid, first):
-        """The row's V columns in the row dtype (zeros where the row is not valid), once
-        ape is staged."""
-        rO = cute.make_rmem_tensor((self.V,), self.dtype)
-        rO.fill(0.0)
-        if valid:
-            self.pool_window(rO, rKV, rS, sApe, cvl, first)
-        return rO
-
     @cute.kernel
     def kernel(self, p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens: Int32,
                num_rows: Int32, num_segs: Int32):

@@ -141,6 +141,16 @@ class WindowKernel(Geometry):
             lambda i: softmax.column_exact(self, *self.window_column(rKV, rS, sApe, i, cvl),
                                            first))
 
+    @cute.jit
+    def pooled(self, rKV, rS, sApe, cvl, valid, first):
+        """The row's V columns in the row dtype (zeros where the row is not valid), once
+        ape is staged."""
+        rO = cute.make_rmem_tensor((self.V,), self.dtype)
+        rO.fill(0.0)
+        if valid:
+            self.pool_window(rO, rKV, rS, sApe, cvl, first)
+        return rO
+
     def window_probs(self, rKV, rS, sApe, i, cvl, first):
         """(probabilities, values) of column i in the reference's exact operation order."""
         logit, value = self.window_column(rKV, rS, sApe, i, cvl)
