@@ -9,11 +9,11 @@ weight), side by side in one run:
 - ``eager``: csa::compressor, then the epilogue as torch ops (csa_ops.reference_epilogue);
 - ``op + compiled epilogue``: csa::compressor, then torch.compile of the epilogue;
 - ``compiled block``: torch.compile of both (the op an opaque call under the "auto" mode);
-- ``fused op``: csa::compressor_epilogue as the package runs it by default (the forward in
-  one kernel where the register-window family pools it), and beside it with its row
-  epilogue forced to the kernel (``kernel epilogue``), to torch ops (``torch epilogue``) and
-  its forward to the pooling kernel followed by the row-epilogue kernel (``two launches``;
-  csa_ops.row_epilogue's routes);
+- ``fused op``: csa::compressor_epilogue as the package runs it by default (forward and
+  backward in one kernel each where the register-window family pools them), and beside it
+  with its row epilogue forced to the kernels (``kernel epilogue``), to torch ops (``torch
+  epilogue``), and to the row-epilogue kernels beside the pooling kernels (``unfused``: the
+  forward as two launches, the backward staged; csa_ops.row_epilogue's routes);
 - ``op alone``: csa::compressor with no epilogue (gradients of kv, score and ape), the time
   the fused op's targets are stated against (not checked: other outputs);
 - on CUDA each but ``eager`` also from CUDA-graph replays (device time);
@@ -104,6 +104,14 @@ class Epilogue:
             self.cos, self.sin, ROPE_DIM, None, self.rotate, self.case.total_comp)
 
 
+@contextlib.contextmanager
+def _unfused():
+    """The row epilogue by its kernels, but not fused into the pooling kernels: the forward
+    as two launches, the backward staged."""
+    with row_epilogue.two_launch_forward(), row_epilogue.staged_backward():
+        yield
+
+
 def _routed(region, route):
     """``region`` run, forward and backward, under ``route`` (see _step)."""
     def call(*args):
@@ -125,7 +133,7 @@ def _variants(e: Epilogue):
         "compiled block": torch.compile(block, fullgraph=True, dynamic=False),
         "fused op": e.fused,
         "fused op, kernel epilogue": _routed(e.fused, row_epilogue.kernel_route),
-        "fused op, two launches": _routed(e.fused, row_epilogue.two_launch_forward),
+        "fused op, unfused": _routed(e.fused, _unfused),
         "fused op, torch epilogue": _routed(e.fused, row_epilogue.torch_route),
         OP_ALONE: lambda kv, score, ape, w: e.pool(kv, score, ape),
     }

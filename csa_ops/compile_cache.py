@@ -108,10 +108,10 @@ class CompileCache:
                     f"precompile_store({x.head_dim}, {e.cache_format!r}, {e.rope_dim}, "
                     f"{e.rotate}, {e.eps}, torch.{e.dtype}, torch.{e.weight_dtype}, "
                     f"ratio={x.ratio}, coff={x.coff}) before capturing.")
-            if direction is Direction.FORWARD_EPILOGUE:  # a ForwardEpilogueKey
-                f, e = key.forward, key.epilogue
+            if direction in (Direction.FORWARD_EPILOGUE, Direction.BACKWARD_EPILOGUE):
+                f, e = key.pooling, key.epilogue  # a ForwardEpilogueKey, BackwardEpilogueKey
                 raise RuntimeError(
-                    f"csa_ops: the fused training-forward kernel for {key} is not compiled "
+                    f"csa_ops: the fused training {direction} kernel for {key} is not compiled "
                     f"and a CUDA graph capture is active, where JIT is not allowed. Call "
                     f"csa_ops.precompile_epilogue({f.head_dim}, {e.rope_dim}, {e.rotate}, "
                     f"{e.eps}, torch.{e.dtype}, torch.{e.weight_dtype}, position_offset="

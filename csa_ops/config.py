@@ -34,6 +34,9 @@ class Direction(str, enum.Enum):
     # csa::compressor_epilogue's forward in one kernel (a ForwardEpilogueKey): the forward
     # kernel's rows, each through the training epilogue where it is pooled.
     FORWARD_EPILOGUE = "fepi"
+    # ... and its backward (a BackwardEpilogueKey): each row pooled again, its gradient
+    # through the epilogue and then through the softmax, in one kernel.
+    BACKWARD_EPILOGUE = "bepi"
 
     @classmethod
     def of(cls, backward: bool) -> Direction:

@@ -207,6 +207,11 @@ def _compressor_epilogue_backward(grad_out, kv, score, ape, cu_seqlens, cu_seqle
     if kv.device.type == "cpu":
         _check_contents(BACKWARD_OP, kv, cu_seqlens, cu_seqlens_comp, ratio, cos, rope_dim,
                         position_offset, rows, rows_name="`grad_out` row count")
+    grads = row_epilogue.launch_backward_epilogue(
+        grad_out.contiguous(), kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
+        norm_weight, eps, cos, sin, rope_dim, position_offset, rotate)
+    if grads is not None:
+        return grads
     return reference_epilogue.compressor_epilogue_backward_reference(
         grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,
         _params(norm_weight, eps, cos, sin, rope_dim, rotate), position_offset,

@@ -235,6 +235,18 @@ def decode_step_key(epilogue, ratio: int | None, coff: int | None):
                                         epilogue)
 
 
+def training_backward_key(epilogue, ratio: int | None, coff: int | None):
+    """The fused training-backward key of an epilogue key's configuration at ``ratio`` and
+    ``coff`` (training_forward_key's counterpart)."""
+    forward = _forward_of(epilogue, ratio, coff)
+    if forward is None:
+        return None
+    backward = _key_for(ratio, coff, epilogue.head_dim, epilogue.dtype, epilogue.arch,
+                        Direction.BACKWARD)
+    return None if backward is None else window_plan.backward_epilogue_key(backward, forward,
+                                                                           epilogue)
+
+
 def _forward_of(epilogue, ratio: int | None, coff: int | None):
     """The forward key of an epilogue key's configuration at ``ratio`` and ``coff``; None
     where no kernel runs it, or no ratio is given."""
@@ -251,16 +263,20 @@ def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
                         coff: int | None = None):
     """Compile (or load) csa::compressor_epilogue's row-epilogue kernels of one epilogue,
     forward and backward; ``position_offset``: calls that pass one. With ``ratio`` and
-    ``coff`` also the forward's fused kernel of that configuration, where one takes it.
+    ``coff`` also the fused forward and backward kernels of that configuration, where they
+    take it.
     Returns their key, or None where that epilogue runs as torch ops."""
     key = _epilogue_target("precompile_epilogue", head_dim, "none", rope_dim, rotate, eps,
                            dtype, weight_dtype, arch, position_offset)
     if key is not None:
         for direction in (Direction.EPILOGUE, Direction.EPILOGUE_BACKWARD):
             KERNELS.get(direction, key)
-        fused = training_forward_key(key, ratio, coff)
-        if fused is not None:
-            KERNELS.get(Direction.FORWARD_EPILOGUE, fused)
+        for direction, fused in ((Direction.FORWARD_EPILOGUE,
+                                  training_forward_key(key, ratio, coff)),
+                                 (Direction.BACKWARD_EPILOGUE,
+                                  training_backward_key(key, ratio, coff))):
+            if fused is not None:
+                KERNELS.get(direction, fused)
     return key
 
 

@@ -73,6 +73,13 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("position_offset", Arg.IDX), ("out", Arg.DATA), ("num_tokens", Arg.I32),
         ("num_rows", Arg.I32), ("num_segs", Arg.I32), ("table_rows", Arg.I32),
         ("rows_per_cta", Arg.I32), ("grid", Arg.I32)),
+    Direction.BACKWARD_EPILOGUE: (
+        ("grad_out", Arg.DATA), ("kv", Arg.DATA), ("score", Arg.DATA), ("ape", Arg.F32),
+        ("cu", Arg.IDX), ("cuc", Arg.IDX), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32),
+        ("sin", Arg.F32), ("position_offset", Arg.IDX), ("grad_kv", Arg.DATA),
+        ("grad_score", Arg.DATA), ("grad_ape", Arg.F32), ("grad_weight", Arg.F32),
+        ("workspace", Arg.F32), ("num_tokens", Arg.I32), ("num_rows", Arg.I32),
+        ("num_segs", Arg.I32), ("table_rows", Arg.I32), ("grid", Arg.I32)),
     Direction.EPILOGUE: (
         ("rows", Arg.DATA), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),
         ("cuc", Arg.IDX), ("position_offset", Arg.IDX), ("out", Arg.DATA),

@@ -84,6 +84,13 @@ def two_launch_forward():
     return _switched_off("fused_training_forward")
 
 
+def staged_backward():
+    """Within: csa::compressor_epilogue_backward runs staged: the pooling forward, the
+    row-epilogue backward, then csa::compressor_backward (the fused kernel's reference, and
+    the benchmarks' baseline)."""
+    return _switched_off("fused_training_backward")
+
+
 def torch_route():
     """Within: the epilogue ops run their epilogue as torch ops on CUDA too, both directions
     (the composition the kernels are tested against, and the benchmarks' baseline)."""
@@ -102,11 +109,13 @@ def _key(rows, norm_weight, eps: float, rope_dim: int, rotate: bool, cache_forma
 
 
 def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of, constants_of,
-              device_index: int, *, live: str = "rows", to_float=(), compiled_only=False):
-    """The memo's call for ``signature``, prepared on first use from ``key_of(host)`` and
-    ``constants_of(key)``; ``_NOT_TAKEN`` where the kernel does not take it. With
-    ``compiled_only``: None (nothing remembered) while the key's kernel is not compiled, as
-    within a capture, which forbids compiling."""
+              device_index: int, *, live: str = "rows", to_float=(), restore=(),
+              workspace_of=None, compiled_only=False):
+    """The memo's call for ``signature``, prepared on first use from ``key_of(host)``,
+    ``constants_of(key)`` and ``workspace_of(key)`` (fp32 scratch elements, none by
+    default); ``_NOT_TAKEN`` where the kernel does not take it. With ``compiled_only``:
+    None (nothing remembered) while the key's kernel is not compiled, as within a capture,
+    which forbids compiling."""
     call = _PREPARED.get(signature)
     if call is not None:
         return call
@@ -118,7 +127,8 @@ def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of
         return None
     spec = CallSpec(direction=direction, key=key, inputs=inputs, outputs=outputs,
                     launches=(Launch(host.KERNELS.get(direction, key), constants_of(key)),),
-                    to_float=to_float, in_place=in_place, live=live)
+                    workspace=workspace_of(key) if workspace_of else 0, to_float=to_float,
+                    restore=restore, in_place=in_place, live=live)
     return _PREPARED.remember(signature, python_call(spec, current_stream_handle, device_index,
                                                      host.multi_gpu()))
 
@@ -267,6 +277,62 @@ def launch_forward_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: 
         {"out": ("kv", (total_comp, kv.shape[1] // coff))}, (), key_of, constants,
         kv.device.index or 0, live="kv", to_float=("ape",), compiled_only=True)
     return None if call is None else call(*tensors)
+
+
+_BACKWARD_INPUTS = ("grad_out", "kv", "score", "ape", "cu", "cuc", "norm_weight", "cos",
+                    "sin", "position_offset")
+
+
+def launch_backward_epilogue(grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp,
+                             ratio: int, coff: int, norm_weight, eps: float, cos, sin,
+                             rope_dim: int, position_offset, rotate: bool):
+    """csa::compressor_epilogue_backward in one launch and its two sums (the register-window
+    family's fused kernel, kernels/window/backward_epilogue.py): (grad_kv, grad_score,
+    grad_ape, grad_weight), or None where that kernel does not take the call (nothing
+    launched: the staged route runs it)."""
+    if not (STATE.training_epilogue_backward_kernel and STATE.fused_training_backward
+            and kv.is_cuda and grad_out.shape[0] and grad_out.dtype == kv.dtype):
+        return None
+    offsets = position_offset is not None
+    offset, cos, sin = _readable(kv, cu_seqlens_comp, position_offset, rope_dim, cos, sin)
+    tensors = (grad_out, kv, score, ape, cu_seqlens, cu_seqlens_comp, norm_weight, cos, sin,
+               offset)
+    signature = dispatch.signature(tensors, Direction.BACKWARD_EPILOGUE, float(eps),
+                                   rope_dim, rotate, offsets, ratio, coff)
+    def key_of(host):
+        keys = [host.problem(direction, kv, score, cu_seqlens, cu_seqlens_comp, ratio, coff)
+                for direction in (Direction.BACKWARD, Direction.FORWARD)]
+        if None in keys:
+            return None
+        backward, forward = (found.key for found in keys)
+        epilogue = host.epilogue_key(kv.dtype, norm_weight.dtype, backward.head_dim, rope_dim,
+                                     rotate, "none", eps, backward.arch, offsets)
+        return None if epilogue is None else window_plan.backward_epilogue_key(
+            backward, forward, epilogue)
+
+    def plan(key):
+        sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
+        return window_plan.plan_backward_epilogue(key, kv.shape[0], grad_out.shape[0], sms)
+
+    def constants(key):
+        return {"num_tokens": kv.shape[0], "num_rows": grad_out.shape[0],
+                "num_segs": cu_seqlens.shape[0] - 1, "table_rows": max(cos.shape[0], 1),
+                "grid": plan(key).grid}
+
+    head_dim = kv.shape[1] // coff
+    call = _prepared(
+        signature, Direction.BACKWARD_EPILOGUE, _BACKWARD_INPUTS,
+        {"grad_kv": ("kv", None), "grad_score": ("score", None), "grad_ape": ("ape", None),
+         "grad_weight": ("ape", (head_dim,))}, (), key_of, constants, kv.device.index or 0,
+        live="kv", to_float=("ape",), restore=(("grad_ape", "ape"),),
+        workspace_of=lambda key: plan(key).workspace, compiled_only=True)
+    if call is None:
+        return None
+    grads = call(*tensors)
+    if grads is None:
+        return None
+    grad_kv, grad_score, grad_ape, grad_weight = grads
+    return grad_kv, grad_score, grad_ape, grad_weight.to(norm_weight.dtype)
 
 
 def launch_rows(rows, cu_seqlens_comp, position_offset, ratio: int, norm_weight, eps: float,

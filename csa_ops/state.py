@@ -56,6 +56,7 @@ class ProcessState:
         self.fused_store_step = True  # ... a decode step's in one kernel with its pooling
         self.training_epilogue_kernel = True
         self.fused_training_forward = True  # ... its forward in one kernel with its pooling
+        self.fused_training_backward = True  # ... and its backward
         self.training_epilogue_backward_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native

@@ -130,7 +130,7 @@ def test_no_module_over_the_size_budget(name, path):
     assert len(path.read_text().splitlines()) <= 800, name
 
 
-FUSED = {Direction.EXTEND_STORE, Direction.FORWARD_EPILOGUE}
+FUSED = {Direction.EXTEND_STORE, Direction.FORWARD_EPILOGUE, Direction.BACKWARD_EPILOGUE}
 
 
 def test_every_family_implements_the_contract():
@@ -142,7 +142,7 @@ def test_every_family_implements_the_contract():
         assert set(KERNELS[name]) - FUSED == {
             Direction.FORWARD, Direction.BACKWARD, Direction.EXTEND}
     # The register-window family's decode step with the store's epilogue in one kernel, and
-    # the training forward with its epilogue.
+    # the training forward and backward with their epilogue.
     assert FUSED <= set(KERNELS["window"])
     # The row epilogue: the store's kernel and the training forward's.
     assert set(KERNELS) - set(FAMILIES) == {"epilogue"}

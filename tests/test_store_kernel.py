@@ -163,8 +163,10 @@ def test_routes_and_defaults():
                 STATE.training_epilogue_backward_kernel)
 
     assert STATE.fused_store_step and STATE.fused_training_forward
+    assert STATE.fused_training_backward
     for two_launches, flag in ((row_epilogue.two_launch_step, "fused_store_step"),
-                               (row_epilogue.two_launch_forward, "fused_training_forward")):
+                               (row_epilogue.two_launch_forward, "fused_training_forward"),
+                               (row_epilogue.staged_backward, "fused_training_backward")):
         with two_launches():
             assert not getattr(STATE, flag)
         assert getattr(STATE, flag)
@@ -185,6 +187,9 @@ def test_routes_and_defaults():
             assert row_epilogue.launch_forward_epilogue(
                 kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, 6, torch.ones(64), 1e-6, None, None,
                 0, None, False) is None
+            assert row_epilogue.launch_backward_epilogue(
+                rows, kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, torch.ones(64), 1e-6, None,
+                None, 0, None, False) is None
         assert flags() == (False, False, False)
     assert flags() == (True, True, True)
 
@@ -249,10 +254,11 @@ def test_the_decode_step_key_holds_its_two_keys_together():
         ExtendStoreKey(with_knobs(step.extend, request_rows=False), epilogue)
 
 
-# csa::compressor_epilogue's forward in one kernel (kernels/window/forward_epilogue.py):
-# (ratio, coff, dtype, weight dtype, head_dim, rope_dim, rotate, position_offset), rows of
-# one to four warps, both coffs, every row dtype.
-TRAINING_FORWARDS = (
+# csa::compressor_epilogue's forward and backward in one kernel each
+# (kernels/window/forward_epilogue.py, backward_epilogue.py): (ratio, coff, dtype, weight
+# dtype, head_dim, rope_dim, rotate, position_offset), rows of one to four warps, both
+# coffs, every row dtype.
+FUSED_CONFIGS = (
     (4, 2, torch.bfloat16, torch.float32, 512, 64, False, True),
     (4, 2, torch.bfloat16, torch.bfloat16, 128, 64, True, False),
     (4, 1, torch.float16, torch.float32, 256, 0, False, False),
@@ -260,31 +266,43 @@ TRAINING_FORWARDS = (
 )
 
 
+FUSED_TRAINING = {Direction.FORWARD_EPILOGUE: host.training_forward_key,
+                  Direction.BACKWARD_EPILOGUE: host.training_backward_key}
+
+
+@pytest.mark.parametrize("direction", list(FUSED_TRAINING))
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("config", TRAINING_FORWARDS,
+@pytest.mark.parametrize("config", FUSED_CONFIGS,
                          ids=["-".join(map(str, (r, c, str(t)[6:], d))) for r, c, t, _, d, _, _, _
-                              in TRAINING_FORWARDS])
-def test_the_training_forward_kernel_compiles_for_its_configuration(config, arch):
+                              in FUSED_CONFIGS])
+def test_the_fused_training_kernels_compile_for_their_configuration(config, arch, direction):
     ratio, coff, dtype, weight, d, rope, rotate, offsets = config
     key = csa_ops.precompile_epilogue(d, rope, rotate, 1e-6, dtype, weight, offsets, arch,
                                       ratio=ratio, coff=coff)
-    fused = host.training_forward_key(key, ratio, coff)
+    fused = FUSED_TRAINING[direction](key, ratio, coff)
     assert fused is not None and fused.epilogue == key and fused.arch == arch
-    assert (fused.forward.knobs.vec, fused.forward.knobs.threads) == (key.vec, key.threads)
-    # The pooling's knobs that fix a row's bits are the forward key's.
+    assert (fused.pooling.knobs.vec, fused.pooling.knobs.threads) == (key.vec, key.threads)
+    # The pooling's knob that fixes a row's bits is the forward key's (the backward pools
+    # each row again).
     forward = host.select_key(ratio, coff, d, str(dtype)[6:], arch, Direction.FORWARD)
-    assert fused.forward.knobs.fast_exp == forward.knobs.fast_exp
+    assert fused.pooling.knobs.fast_exp == forward.knobs.fast_exp
     hits = host.KERNELS.hits
-    host.KERNELS.get(Direction.FORWARD_EPILOGUE, fused)
+    host.KERNELS.get(direction, fused)
     assert host.KERNELS.hits == hits + 1  # the precompile call held it in memory
-    ptx = compile_cache.ptx(Direction.FORWARD_EPILOGUE, fused)
+    ptx = compile_cache.ptx(direction, fused)
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     # The epilogue's correctly rounded square root, once; no approximate one.
     assert ptx.count("sqrt.rn.f32") == 1
     assert "sqrt.approx" not in ptx and "rsqrt" not in ptx
-    # No pooled row goes to global memory: the one row store is the epilogue's output.
-    assert len(re.findall(r"\bst\.global", ptx)) == key.vec
+    main = ptx[ptx.index(".entry"):]
+    main = main[:main.index("\n}\n")]
+    if direction is Direction.FORWARD_EPILOGUE:
+        # No pooled row goes to global memory: the one row store is the epilogue's output.
+        assert len(re.findall(r"\bst\.global", main)) == key.vec
+    else:
+        # The kernel and the fixed-order sums of grad_ape's and grad_weight's partials.
+        assert len(re.findall(r"\.entry", ptx)) == 3
 
 
 @pytest.mark.parametrize("ratio, coff, d, dtype, why", [
@@ -294,30 +312,41 @@ def test_the_training_forward_kernel_compiles_for_its_configuration(config, arch
     (4, 2, 64, "bfloat16", "half a warp per row"),
     (4, 2, 1024, "float32", "32-byte vectors"),
 ])
-def test_the_training_forward_kernel_declines_what_one_cta_cannot_hold(ratio, coff, d, dtype,
-                                                                        why):
+def test_the_fused_training_kernels_decline_what_one_cta_cannot_hold(ratio, coff, d, dtype,
+                                                                       why):
     epilogue = plan.configure(dtype, "float32", d, 0, False, "none", 1e-6, "sm_90a")
     assert plan.supports(epilogue)
-    assert host.training_forward_key(epilogue, ratio, coff) is None, why
-    assert host.training_forward_key(epilogue, None, None) is None
+    for key_of in FUSED_TRAINING.values():
+        assert key_of(epilogue, ratio, coff) is None, why
+        assert key_of(epilogue, None, None) is None
 
 
-def test_the_training_forward_key_holds_its_two_keys_together():
+def test_the_fused_backward_holds_a_window_and_its_partials_in_shared_memory():
+    """ape's rows and the grad_ape partials (as many), then the row: a window of 16 at d512
+    fits the forward's shared memory but not the backward's."""
+    epilogue = plan.configure("bfloat16", "float32", 512, 0, False, "none", 1e-6, "sm_90a")
+    assert host.training_forward_key(epilogue, 8, 2) is not None
+    assert host.training_backward_key(epilogue, 8, 2) is None
+    assert host.training_backward_key(epilogue, 4, 2) is not None
+
+
+@pytest.mark.parametrize("direction", list(FUSED_TRAINING))
+def test_the_fused_training_keys_hold_their_two_keys_together(direction):
     from csa_ops.config import with_knobs
-    from csa_ops.kernels.window.plan import ForwardEpilogueKey
 
     epilogue = plan.configure("bfloat16", "float32", 512, 64, False, "none", 1e-6, "sm_90a")
-    fused = host.training_forward_key(epilogue, 4, 2)
+    fused = FUSED_TRAINING[direction](epilogue, 4, 2)
+    kind, pooling = type(fused), fused.pooling
     assert fused.family == "window" and (fused.dtype, fused.arch) == ("bfloat16", "sm_90a")
     assert fused.weight_dtype == "float32" and fused.align_bytes == 8
     with pytest.raises(ValueError, match="agree on dtype, arch and head_dim"):
-        ForwardEpilogueKey(fused.forward, plan.configure("bfloat16", "float32", 256, 64,
-                                                         False, "none", 1e-6, "sm_90a"))
+        kind(pooling, plan.configure("bfloat16", "float32", 256, 64, False, "none", 1e-6,
+                                     "sm_90a"))
     with pytest.raises(ValueError, match="in the epilogue's CTA"):
-        ForwardEpilogueKey(with_knobs(fused.forward, vec=2, threads=256), epilogue)
+        kind(with_knobs(pooling, vec=2, threads=256), epilogue)
     with pytest.raises(ValueError, match="writes rows"):
-        ForwardEpilogueKey(fused.forward, plan.configure("bfloat16", "float32", 512, 64,
-                                                         False, "fp8_ds_mla", 1e-6, "sm_90a"))
+        kind(pooling, plan.configure("bfloat16", "float32", 512, 64, False, "fp8_ds_mla",
+                                     1e-6, "sm_90a"))
 
 
 @pytest.mark.parametrize("cache_format", sorted(cache_formats.SCALE_TOP))

@@ -71,8 +71,10 @@ KERNELS = {
                Direction.EXTEND: "extend:WindowExtend",
                # csa::compressor_extend_store's decode step (an ExtendStoreKey)
                Direction.EXTEND_STORE: "extend_store:WindowExtendStore",
-               # csa::compressor_epilogue's forward (a ForwardEpilogueKey)
-               Direction.FORWARD_EPILOGUE: "forward_epilogue:WindowForwardEpilogue"},
+               # csa::compressor_epilogue's forward and backward (a ForwardEpilogueKey, a
+               # BackwardEpilogueKey)
+               Direction.FORWARD_EPILOGUE: "forward_epilogue:WindowForwardEpilogue",
+               Direction.BACKWARD_EPILOGUE: "backward_epilogue:WindowBackwardEpilogue"},
     "streaming": {Direction.FORWARD: "kernels:StreamingForward",
                   Direction.BACKWARD: "kernels:StreamingBackward",
                   Direction.EXTEND: "extend:StreamingExtend"},

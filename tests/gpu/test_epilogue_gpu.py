@@ -24,6 +24,7 @@ from csa_ops import CompressorState, epilogue, host, reference_epilogue, row_epi
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 FORWARD = torch.ops.csa.compressor_epilogue.default
+BACKWARD = torch.ops.csa.compressor_epilogue_backward.default
 STORE = torch.ops.csa.compressor_extend_store.default
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -160,7 +161,8 @@ def op_grads(inputs: dict, grad_out: torch.Tensor) -> tuple:
 def random_grad_out(inputs: dict, seed: int = 3) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = (inputs["total_comp"], inputs["norm_weight"].shape[0])
-    return torch.randn(shape, generator=gen).to(device=inputs["kv"].device, dtype=DTYPE)
+    return torch.randn(shape, generator=gen).to(device=inputs["kv"].device,
+                                                dtype=inputs["kv"].dtype)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -313,25 +315,59 @@ def test_the_fused_forward_writes_the_two_launches_bytes(name):
         assert_bitwise_equal(fused.cpu(), cpu_composition(inputs), "against the CPU")
 
 
-def test_a_captured_fused_forward_replays_the_eager_bytes():
-    """precompile_epilogue with the configuration builds the fused kernel, so a capture
-    takes it (no kernel is loaded during the capture); a replay over new inputs writes what
-    an eager call does."""
+@pytest.mark.parametrize("name", list(FUSED_FORWARDS))
+def test_the_fused_backward_gives_the_staged_gradients(name):
+    """The backward in one launch (kernels/window/backward_epilogue.py) against the staged
+    route (pooling forward, row-epilogue backward, pooling backward): grad_kv and grad_score
+    bitwise (the rows' gradient is the same bits), grad_ape and grad_weight within fp32
+    summation error (each a fixed-order sum of its own per-CTA partials: in a 16-bit ape,
+    one step of its dtype); run to run the same bits."""
+    inputs = fused_inputs(name)
+    grad_out = random_grad_out(inputs)
+    args = positional(inputs)[:-1]  # the backward takes the forward's but total_comp
+    fused = row_epilogue.launch_backward_epilogue(grad_out, *args[:12],
+                                                  inputs["position_offset"], inputs["rotate"])
+    assert fused is not None, "the fused kernel does not take the call"
+    with row_epilogue.staged_backward():
+        staged = BACKWARD(grad_out, *args)
+    for label, a, b in zip(("grad_kv", "grad_score", "grad_ape", "grad_weight"), fused, staged):
+        assert a.dtype == b.dtype and a.shape == b.shape, label
+        if label in ("grad_kv", "grad_score"):
+            assert_bitwise_equal(a, b, label)
+        else:
+            step = 1e-5 if a.dtype == torch.float32 else 2.0**-7
+            scale = float(b.float().abs().max()) + 1e-30
+            torch.testing.assert_close(a, b, rtol=0, atol=step * scale, msg=label)
+    for label, a, b in zip(("grad_kv", "grad_score", "grad_ape", "grad_weight"),
+                           BACKWARD(grad_out, *args), fused):
+        assert_bitwise_equal(a, b, f"{label} run to run")
+
+
+def test_a_captured_fused_step_replays_the_eager_bytes():
+    """precompile_epilogue with the configuration builds the fused kernels, so a capture
+    takes them (no kernel is loaded during the capture); a replay over new inputs writes
+    what eager calls do, forward and backward."""
     config = MAIN
     csa_ops.precompile_epilogue(config.head_dim, config.rope_dim, config.rotate, EPS, DTYPE,
                                 torch.float32, True, ratio=config.ratio, coff=config.coff)
     inputs, fresh = training_inputs(config, DEVICE, seed=5), training_inputs(config, DEVICE,
                                                                              seed=6)
+    grad_out = random_grad_out(inputs)
+    backward_args = (grad_out, *positional(inputs)[:-1])
     compiled = host.KERNELS.info()["size"]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = FORWARD(*positional(inputs))
+        grads = BACKWARD(*backward_args)
     assert host.KERNELS.info()["size"] == compiled, "a kernel was loaded during the capture"
     for name in ("kv", "score", "ape", "norm_weight"):
         inputs[name].copy_(fresh[name])
     graph.replay()
     torch.cuda.synchronize()
     assert_bitwise_equal(out, FORWARD(*positional(inputs)), "replayed rows")
+    for label, a, b in zip(("grad_kv", "grad_score", "grad_ape", "grad_weight"), grads,
+                           BACKWARD(*backward_args)):
+        assert_bitwise_equal(a, b, f"replayed {label}")
 
 
 # ---------------------------------------------------------------------------------------

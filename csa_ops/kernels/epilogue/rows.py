@@ -194,6 +194,18 @@ class RowEpilogue:
         cute.arch.sync_threads()  # the epilogue's exchanges reuse sRow
         return rX
 
+    @cute.jit
+    def contiguous(self, rX: cute.Tensor, rO: cute.Tensor, sRow: cute.Tensor, tid: Int32):
+        """strided's inverse: rO (vec elements of the row dtype) <- the thread's contiguous
+        columns of strided rX (values of the row dtype), through sRow, which is free on
+        entry and again on return."""
+        for k in cutlass.range_constexpr(self.V):
+            sRow[tid + k * self.T] = rX[k]
+        cute.arch.sync_threads()
+        for k in cutlass.range_constexpr(self.V):
+            rO[k] = self.dtype(sRow[tid * self.V + k])
+        cute.arch.sync_threads()  # sRow is read before the next row writes it
+
     def row_registers(self) -> cute.Tensor:
         return cute.make_rmem_tensor((self.V,), Float32)
 

@@ -219,7 +219,8 @@ def plan_extend(key: KernelKey, num_tokens: int, num_requests: int, num_rows: in
 # Kernels that fuse the row epilogue into the pooling (a CTA's threads are the epilogue's, so
 # a pooled row goes through it where it is pooled): csa::compressor_extend_store's decode
 # steps (extend_store.py, a request per CTA) and csa::compressor_epilogue's forward
-# (forward_epilogue.py, a row per CTA).
+# (forward_epilogue.py, consecutive rows per CTA) and backward (backward_epilogue.py, the
+# backward's grid-stride rows).
 FUSED_SMEM = 40 * 1024  # bytes: below the 48 KiB a launch gets without opting in
 
 
@@ -252,16 +253,17 @@ class _FusedKey:
     cache_dtype = property(lambda self: self.epilogue.cache_dtype)
 
 
-def _epilogue_cta(key: KernelKey, epilogue: EpilogueKey) -> KernelKey | None:
+def _epilogue_cta(key: KernelKey, epilogue: EpilogueKey, smem_rows: int) -> KernelKey | None:
     """``key`` launched in the epilogue's CTA (a whole row of ``threads`` threads of ``vec``
     columns), None where one CTA cannot be both: the epilogue's CTA is not whole warps (a
     row of fewer than 128 columns), its columns per thread exceed one 16-byte access of
     the row dtype or the window's registers (64 elements of kv and of score a thread), or
-    ape's whole rows and the row's fp32 buffer exceed FUSED_SMEM."""
+    the kernel's ``smem_rows`` fp32 rows of shared memory (ape's whole rows, the row's
+    buffer, ...) exceed FUSED_SMEM."""
     threads, vec = epilogue.threads, epilogue.vec
     if key.family != "window" or threads % 32 or vec * key.elem_bytes > 16:
         return None
-    if vec * key.window > 64 or (key.window + 1) * key.head_dim * 4 > FUSED_SMEM:
+    if vec * key.window > 64 or smem_rows * key.head_dim * 4 > FUSED_SMEM:
         return None
     return with_knobs(key, vec=vec, threads=threads)
 
@@ -290,7 +292,7 @@ def extend_store_key(key: KernelKey, epilogue: EpilogueKey) -> ExtendStoreKey | 
     (_epilogue_cta)."""
     if key.family != "window" or not key.knobs.request_rows:
         return None
-    fused = _epilogue_cta(key, epilogue)
+    fused = _epilogue_cta(key, epilogue, key.window + 1)
     return None if fused is None else ExtendStoreKey(fused, epilogue)
 
 
@@ -319,7 +321,7 @@ class ForwardEpilogueKey(_FusedKey):
 def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilogueKey | None:
     """The fused key of a training forward whose pooling key is `key` (the forward's) and
     whose epilogue is `epilogue`; None where one CTA cannot be both (_epilogue_cta)."""
-    fused = _epilogue_cta(key, epilogue)
+    fused = _epilogue_cta(key, epilogue, key.window + 1)
     return None if fused is None else ForwardEpilogueKey(fused, epilogue)
 
 
@@ -337,3 +339,42 @@ def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
     ctas = num_sms * max(1, FORWARD_EPILOGUE_THREADS_PER_SM // threads)
     rows_per_cta = min(threads, max(1, -(-num_rows // ctas)))
     return LaunchPlan(grid=max(1, -(-num_rows // rows_per_cta))), rows_per_cta
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardEpilogueKey(_FusedKey):
+    """csa::compressor_epilogue_backward in one kernel: the backward key it takes the rows'
+    gradient through the softmax with, carrying the forward key's fast_exp (it pools each
+    row again, as the forward did), and the training epilogue's key."""
+
+    backward: KernelKey
+    epilogue: EpilogueKey
+
+    pooling_field = "backward"
+
+    def __post_init__(self) -> None:
+        self.check_keys()
+        if self.epilogue.cache_format != "none":
+            raise ValueError(f"BackwardEpilogueKey: the training epilogue writes rows (cache "
+                             f"format 'none'), got {self.epilogue.cache_format!r}")
+
+
+def backward_epilogue_key(key: KernelKey, forward: KernelKey,
+                          epilogue: EpilogueKey) -> BackwardEpilogueKey | None:
+    """The fused key of a training backward whose pooling keys are `key` (the backward's)
+    and `forward` and whose epilogue is `epilogue`; None where one CTA cannot be both
+    (_epilogue_cta: ape's rows, the grad_ape partials' as many, the row's buffer)."""
+    fused = _epilogue_cta(key, epilogue, 2 * key.window + 1)
+    if fused is None:
+        return None
+    return BackwardEpilogueKey(with_knobs(fused, fast_exp=forward.knobs.fast_exp), epilogue)
+
+
+def plan_backward_epilogue(key: BackwardEpilogueKey, num_tokens: int, num_rows: int,
+                           num_sms: int) -> LaunchPlan:
+    """The backward's grid-stride plan with a row per CTA; the workspace holds the CTAs'
+    grad_ape partials, then their grad_weight partials."""
+    slots = max(-(-num_tokens // key.backward.ratio), num_rows)
+    grid = max(1, min(slots, num_sms * CTAS_PER_SM))
+    per_cta = (key.backward.window + 1) * key.backward.head_dim  # E, then a row
+    return LaunchPlan(grid=grid, workspace=grid * per_cta)
