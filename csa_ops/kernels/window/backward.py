@@ -154,9 +154,7 @@ class WindowBackward(WindowKernel):
         bx, by, gx = self.cta_coords()
         cvl = tid % self.cvc
         cv = by * self.cvc + cvl
-        cu = cute.make_tensor(p_cu, num_segs + 1)
-        cuc = cute.make_tensor(p_cuc, num_segs + 1)
-        cm.assert_offsets_fit(cuc, num_segs, num_rows)
+        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
         sAcc = self.ape_accumulators(smem, tid)

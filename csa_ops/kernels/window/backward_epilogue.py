@@ -38,8 +38,7 @@ class WindowBackwardEpilogue(WindowBackward):
 
     def __init__(self, key: BackwardEpilogueKey) -> None:
         super().__init__(key.backward)
-        self.epi = RowEpilogueRowsBackward(key.epilogue)
-        assert (self.ny, self.rpc, self.threads) == (1, 1, self.epi.T) and self.V == self.epi.V
+        self.epi = self.fused_with(RowEpilogueRowsBackward(key.epilogue))
 
     @cute.jit
     def fused_row_grads(self, p_gout, p_kv, p_score, p_cos, p_sin, p_gkv, p_gs, sApe, sAcc,
@@ -70,9 +69,7 @@ class WindowBackwardEpilogue(WindowBackward):
         cm.await_upstream(self.pdl)
         tid, _, _ = cute.arch.thread_idx()
         bx, by, gx = self.cta_coords()
-        cu = cute.make_tensor(p_cu, num_segs + 1)
-        cuc = cute.make_tensor(p_cuc, num_segs + 1)
-        cm.assert_offsets_fit(cuc, num_segs, num_rows)
+        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
         sAcc = self.ape_accumulators(smem, tid)

@@ -32,8 +32,7 @@ class WindowExtendStore(WindowExtend):
 
     def __init__(self, key: ExtendStoreKey) -> None:
         super().__init__(key.extend)
-        self.epi = RowEpilogueStore(key.epilogue)
-        assert (self.ny, self.rpc, self.nt) == (1, 1, self.epi.T) and self.V == self.epi.V
+        self.epi = self.fused_with(RowEpilogueStore(key.epilogue))
         # A CTA sums the batch's rows alone: as many requests per round trip as the store
         # kernel's narrow CTAs load.
         self.batch = requests.Batch(self.R, self.nt, max(requests.COUNTS_AHEAD,

@@ -42,9 +42,7 @@ class WindowForward(WindowKernel):
         cvl = tid % self.cvc
         cv = by * self.cvc + cvl
         n = bx * self.rpc + tid // self.cvc
-        cu = cute.make_tensor(p_cu, num_segs + 1)
-        cuc = cute.make_tensor(p_cuc, num_segs + 1)
-        cm.assert_offsets_fit(cuc, num_segs, num_rows)
+        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
         active = n < num_rows and (not self.ragged_cols or cv < self.tpr)

@@ -44,8 +44,7 @@ class WindowForwardEpilogue(WindowForward):
 
     def __init__(self, key: ForwardEpilogueKey) -> None:
         super().__init__(key.forward)
-        self.epi = RowEpilogueRows(key.epilogue)
-        assert (self.ny, self.rpc, self.threads) == (1, 1, self.epi.T) and self.V == self.epi.V
+        self.epi = self.fused_with(RowEpilogueRows(key.epilogue))
 
     def smem_bytes(self) -> int:
         # ape's rows, the row's buffer, then the looked-up rows' first tokens, flags and
@@ -82,9 +81,7 @@ class WindowForwardEpilogue(WindowForward):
         cm.await_upstream(self.pdl)
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = self.cta_coords()
-        cu = cute.make_tensor(p_cu, num_segs + 1)
-        cuc = cute.make_tensor(p_cuc, num_segs + 1)
-        cm.assert_offsets_fit(cuc, num_segs, num_rows)
+        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
         sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)

@@ -301,8 +301,18 @@ def plan_extend_store(key: ExtendStoreKey, num_requests: int) -> LaunchPlan:
     return LaunchPlan(grid=max(1, num_requests))
 
 
+class _TrainingKey(_FusedKey):
+    """A fused key of csa::compressor_epilogue, whose epilogue writes rows."""
+
+    def __post_init__(self) -> None:
+        self.check_keys()
+        if self.epilogue.cache_format != "none":
+            raise ValueError(f"{type(self).__name__}: the training epilogue writes rows "
+                             f"(cache format 'none'), got {self.epilogue.cache_format!r}")
+
+
 @dataclasses.dataclass(frozen=True)
-class ForwardEpilogueKey(_FusedKey):
+class ForwardEpilogueKey(_TrainingKey):
     """csa::compressor_epilogue's forward in one kernel: the forward key it pools with (its
     knobs fix the rows' bits; whole rows per CTA) and the training epilogue's key."""
 
@@ -310,12 +320,6 @@ class ForwardEpilogueKey(_FusedKey):
     epilogue: EpilogueKey
 
     pooling_field = "forward"
-
-    def __post_init__(self) -> None:
-        self.check_keys()
-        if self.epilogue.cache_format != "none":
-            raise ValueError(f"ForwardEpilogueKey: the training epilogue writes rows (cache "
-                             f"format 'none'), got {self.epilogue.cache_format!r}")
 
 
 def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilogueKey | None:
@@ -342,7 +346,7 @@ def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardEpilogueKey(_FusedKey):
+class BackwardEpilogueKey(_TrainingKey):
     """csa::compressor_epilogue_backward in one kernel: the backward key it takes the rows'
     gradient through the softmax with, carrying the forward key's fast_exp (it pools each
     row again, as the forward did), and the training epilogue's key."""
@@ -351,12 +355,6 @@ class BackwardEpilogueKey(_FusedKey):
     epilogue: EpilogueKey
 
     pooling_field = "backward"
-
-    def __post_init__(self) -> None:
-        self.check_keys()
-        if self.epilogue.cache_format != "none":
-            raise ValueError(f"BackwardEpilogueKey: the training epilogue writes rows (cache "
-                             f"format 'none'), got {self.epilogue.cache_format!r}")
 
 
 def backward_epilogue_key(key: KernelKey, forward: KernelKey,

@@ -63,6 +63,22 @@ class WindowKernel(Geometry):
         CTAs resident together read whole token rows (DRAM pages)."""
         return (grid * self.ny, 1, 1) if self.linear else (grid, self.ny, 1)
 
+    def fused_with(self, epilogue):
+        """``epilogue`` (a row-epilogue kernel object), whose CTA this kernel's is: a kernel
+        that fuses it (whole_rows) has its threads and their columns."""
+        assert self.whole_rows and (self.ny, self.rpc, self.threads) == (1, 1, epilogue.T)
+        assert self.V == epilogue.V
+        return epilogue
+
+    @cute.jit
+    def call_offsets(self, p_cu, p_cuc, num_segs, num_rows):
+        """(cu_seqlens, cu_seqlens_comp) of the call, once cu_seqlens_comp[-1] is known to
+        fit its num_rows (common.assert_offsets_fit)."""
+        cu = cute.make_tensor(p_cu, num_segs + 1)
+        cuc = cute.make_tensor(p_cuc, num_segs + 1)
+        cm.assert_offsets_fit(cuc, num_segs, num_rows)
+        return cu, cuc
+
     # ---------------------------------------------------------------- window I/O
     def ape_layout(self):
         # Row-major (W, cvc*V): stage_ape writes it through raw offsets, and a thread's V
