@@ -63,9 +63,9 @@ def _route(on: bool):
 
 
 @contextlib.contextmanager
-def _switched_off(flag: str):
+def _switched(flag: str, on: bool = False):
     previous = getattr(STATE, flag)
-    setattr(STATE, flag, False)
+    setattr(STATE, flag, on)
     try:
         yield
     finally:
@@ -75,20 +75,29 @@ def _switched_off(flag: str):
 def two_launch_step():
     """Within: csa::compressor_extend_store's decode steps run as the extend kernel, then
     the store kernel (the fused kernel's reference, and the benchmarks' baseline)."""
-    return _switched_off("fused_store_step")
+    return _switched("fused_store_step")
 
 
 def two_launch_forward():
     """Within: csa::compressor_epilogue's forward runs as csa::compressor's kernel, then the
     row-epilogue kernel (the fused kernel's reference, and the benchmarks' baseline)."""
-    return _switched_off("fused_training_forward")
+    return _switched("fused_training_forward")
+
+
+@contextlib.contextmanager
+def fused_training():
+    """Within: csa::compressor_epilogue's forward and backward each run as one kernel with
+    the pooling where the register-window family pools them (off by default: these kernels
+    have compiled for both archs but not yet run on a GPU)."""
+    with _switched("fused_training_forward", True), _switched("fused_training_backward", True):
+        yield
 
 
 def staged_backward():
     """Within: csa::compressor_epilogue_backward runs staged: the pooling forward, the
     row-epilogue backward, then csa::compressor_backward (the fused kernel's reference, and
     the benchmarks' baseline)."""
-    return _switched_off("fused_training_backward")
+    return _switched("fused_training_backward")
 
 
 def torch_route():

@@ -55,8 +55,10 @@ class ProcessState:
         self.store_kernel = True
         self.fused_store_step = True  # ... a decode step's in one kernel with its pooling
         self.training_epilogue_kernel = True
-        self.fused_training_forward = True  # ... its forward in one kernel with its pooling
-        self.fused_training_backward = True  # ... and its backward
+        # ... its forward in one kernel with its pooling, and its backward: off until they
+        # have run on a GPU (row_epilogue.fused_training() turns them on for a scope)
+        self.fused_training_forward = False
+        self.fused_training_backward = False
         self.training_epilogue_backward_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native

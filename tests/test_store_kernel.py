@@ -162,14 +162,18 @@ def test_routes_and_defaults():
         return (STATE.store_kernel, STATE.training_epilogue_kernel,
                 STATE.training_epilogue_backward_kernel)
 
-    assert STATE.fused_store_step and STATE.fused_training_forward
-    assert STATE.fused_training_backward
-    for two_launches, flag in ((row_epilogue.two_launch_step, "fused_store_step"),
-                               (row_epilogue.two_launch_forward, "fused_training_forward"),
-                               (row_epilogue.staged_backward, "fused_training_backward")):
-        with two_launches():
-            assert not getattr(STATE, flag)
-        assert getattr(STATE, flag)
+    # The fused training kernels are off until they have run on a GPU.
+    assert STATE.fused_store_step
+    assert not (STATE.fused_training_forward or STATE.fused_training_backward)
+    with row_epilogue.fused_training():
+        assert STATE.fused_training_forward and STATE.fused_training_backward
+        for two_launches, flag in ((row_epilogue.two_launch_step, "fused_store_step"),
+                                   (row_epilogue.two_launch_forward, "fused_training_forward"),
+                                   (row_epilogue.staged_backward, "fused_training_backward")):
+            with two_launches():
+                assert not getattr(STATE, flag)
+            assert getattr(STATE, flag)
+    assert not (STATE.fused_training_forward or STATE.fused_training_backward)
 
     assert flags() == (True, True, True)
     with row_epilogue.torch_route():
@@ -184,12 +188,13 @@ def test_routes_and_defaults():
                                                      1e-6, None, None, 0, False) is None
             kv = torch.randn(24, 128)
             cu = torch.tensor([0, 16, 24], dtype=torch.int32)
-            assert row_epilogue.launch_forward_epilogue(
-                kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, 6, torch.ones(64), 1e-6, None, None,
-                0, None, False) is None
-            assert row_epilogue.launch_backward_epilogue(
-                rows, kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, torch.ones(64), 1e-6, None,
-                None, 0, None, False) is None
+            with row_epilogue.fused_training():
+                assert row_epilogue.launch_forward_epilogue(
+                    kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, 6, torch.ones(64), 1e-6, None,
+                    None, 0, None, False) is None
+                assert row_epilogue.launch_backward_epilogue(
+                    rows, kv, kv, torch.zeros(4, 128), cu, cuc, 4, 2, torch.ones(64), 1e-6,
+                    None, None, 0, None, False) is None
         assert flags() == (False, False, False)
     assert flags() == (True, True, True)
 

@@ -292,8 +292,15 @@ def fused_inputs(name: str, seed: int = 0) -> dict:
     return inputs
 
 
+@pytest.fixture
+def fused_kernels():
+    """The fused training kernels on (off by default)."""
+    with row_epilogue.fused_training():
+        yield
+
+
 @pytest.mark.parametrize("name", list(FUSED_FORWARDS))
-def test_the_fused_forward_writes_the_two_launches_bytes(name):
+def test_the_fused_forward_writes_the_two_launches_bytes(name, fused_kernels):
     """The forward in one launch (kernels/window/forward_epilogue.py) against the pooling
     kernel followed by the row-epilogue kernel: every byte, padding rows zeros; the None
     capacity (a host sync) gives the true rows."""
@@ -316,7 +323,7 @@ def test_the_fused_forward_writes_the_two_launches_bytes(name):
 
 
 @pytest.mark.parametrize("name", list(FUSED_FORWARDS))
-def test_the_fused_backward_gives_the_staged_gradients(name):
+def test_the_fused_backward_gives_the_staged_gradients(name, fused_kernels):
     """The backward in one launch (kernels/window/backward_epilogue.py) against the staged
     route (pooling forward, row-epilogue backward, pooling backward): grad_kv and grad_score
     bitwise (the rows' gradient is the same bits), grad_ape and grad_weight within fp32
@@ -343,7 +350,7 @@ def test_the_fused_backward_gives_the_staged_gradients(name):
         assert_bitwise_equal(a, b, f"{label} run to run")
 
 
-def test_a_captured_fused_step_replays_the_eager_bytes():
+def test_a_captured_fused_step_replays_the_eager_bytes(fused_kernels):
     """precompile_epilogue with the configuration builds the fused kernels, so a capture
     takes them (no kernel is loaded during the capture); a replay over new inputs writes
     what eager calls do, forward and backward."""
