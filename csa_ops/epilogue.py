@@ -177,7 +177,7 @@ def _compressor_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, cof
         _check_contents(OP, kv, cu_seqlens, cu_seqlens_comp, ratio, cos, rope_dim,
                         position_offset, total_comp)
     params = _params(norm_weight, eps, cos, sin, rope_dim, rotate)
-    if kv.is_cuda:
+    if row_epilogue.takes_fused_forward(kv):
         if total_comp is None:  # csa::compressor's documented host sync, taken here once
             total_comp = int(cu_seqlens_comp[-1])
             check_arguments(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff,

@@ -5,14 +5,15 @@ kernels.
 - ``launch_store``: csa::compressor_extend_store's epilogue, encoding and paged store after
   the extend kernel (``STATE.store_kernel``).
 - ``launch_rows``: csa::compressor_epilogue's forward epilogue after csa::compressor's
-  kernel, rows packed (``STATE.training_epilogue_kernel``); ``launch_forward_epilogue``
-  the whole forward in one kernel where the register-window family pools it
-  (``STATE.fused_training_forward`` too).
+  kernel, rows packed (``STATE.training_epilogue_kernel``).
 - ``launch_rows_backward``: csa::compressor_epilogue_backward's way back through the
   epilogue, from grad_out and the recomputed pooled rows to their gradient and grad_weight
   (``STATE.training_epilogue_backward_kernel``).
 
 All three are on by default; ``torch_route()`` and ``kernel_route()`` choose for a scope.
+``launch_forward_epilogue`` and ``launch_backward_epilogue`` run either direction of the
+training op as one kernel with its pooling, where the register-window family pools it;
+they are off by default (``fused_training()`` turns them on for a scope).
 The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
 operation, so the results are the torch route's bytes (grad_weight: its column sums in the
 kernel's own fixed order); calls a kernel does not take (fp64 rows, non-power-of-two
@@ -243,6 +244,11 @@ def _step_key(kv, num_requests: int, norm_weight, eps: float, rope_dim: int, rot
     return None if epilogue is None else window_plan.extend_store_key(problem.key, epilogue)
 
 
+def takes_fused_forward(kv) -> bool:
+    """Whether launch_forward_epilogue may take a call on ``kv`` (its switches are on)."""
+    return STATE.training_epilogue_kernel and STATE.fused_training_forward and kv.is_cuda
+
+
 _FORWARD_INPUTS = ("kv", "score", "ape", "cu", "cuc", "norm_weight", "cos", "sin",
                    "position_offset")
 
@@ -254,8 +260,7 @@ def launch_forward_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: 
     fused kernel, kernels/window/forward_epilogue.py): ``launch_rows``' rows of
     csa::compressor's ``total_comp`` rows, or None where that kernel does not take the call
     (nothing launched: the pooling and row-epilogue kernels run it)."""
-    if not (STATE.training_epilogue_kernel and STATE.fused_training_forward and kv.is_cuda
-            and total_comp > 0):
+    if not (takes_fused_forward(kv) and total_comp > 0):
         return None
     offsets = position_offset is not None
     offset, cos, sin = _readable(kv, cu_seqlens_comp, position_offset, rope_dim, cos, sin)

@@ -27,10 +27,8 @@ from ..epilogue.training import RowEpilogueRowsBackward
 from ..shared import common as cm
 from ..shared import segments
 from ..shared.reduce import launch_sum_parts
-from .backward import WindowBackward
+from .backward import _SUM_SPLIT, WindowBackward
 from .plan import BackwardEpilogueKey
-
-_SUM_SPLIT = 32  # the sums: warps per CTA, each adding every 32nd CTA partial
 
 
 class WindowBackwardEpilogue(WindowBackward):

@@ -17,22 +17,6 @@ from .rows import WindowKernel
 
 
 class WindowForward(WindowKernel):
-    @cute.jit
-    def issue_window(self, p_kv, p_score, cu, cuc, n, cv, active, num_tokens: Int32,
-                     num_segs: Int32):
-        """(rKV, rS, valid, first) of row n's column vector cv: the row looked up and its
-        window's loads issued (no window where the row is inactive or not valid)."""
-        rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
-        rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
-        valid = cutlass.Boolean(False)
-        first = cutlass.Boolean(False)
-        if active:
-            valid, t0, first, _, _, _ = segments.locate_row(cu, cuc, num_segs, num_tokens, n,
-                                                            self.R)
-            if valid:
-                self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
-        return rKV, rS, valid, first
-
     @cute.kernel
     def kernel(self, p_kv, p_score, p_ape, p_cu, p_cuc, p_out, num_tokens: Int32,
                num_rows: Int32, num_segs: Int32):
@@ -45,10 +29,17 @@ class WindowForward(WindowKernel):
         cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
         smem = SmemAllocator()
         sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
+        rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
+        rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)
         active = n < num_rows and (not self.ragged_cols or cv < self.tpr)
-        # The window's loads are issued before the ape barrier: their DRAM latency overlaps it.
-        rKV, rS, valid, first = self.issue_window(p_kv, p_score, cu, cuc, n, cv, active,
-                                                  num_tokens, num_segs)
+        valid = cutlass.Boolean(False)
+        first = cutlass.Boolean(False)
+        if active:
+            valid, t0, first, _, _, _ = segments.locate_row(cu, cuc, num_segs, num_tokens, n,
+                                                            self.R)
+            if valid:
+                # Issued before the ape barrier so the window's DRAM latency overlaps it.
+                self.load_window(p_kv, p_score, rKV, rS, t0, first, cv)
         self.stage_ape(p_ape, sApe, by, tid)
         if active:
             rO = self.pooled(rKV, rS, sApe, cvl, valid, first)
