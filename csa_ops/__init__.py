@@ -80,10 +80,9 @@ def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
     """Compile csa_ops.epilogue.compressor_epilogue's row-epilogue kernels (its forward's
     and its backward's) ahead of use, as a CUDA graph capture needs; ``position_offset``:
     for calls that pass one. Returns their key, or None where that epilogue runs as torch
-    ops. With ``ratio`` and ``coff``, also the opt-in kernels that run its whole forward and
-    whole backward in one launch each where the register-window family pools that
-    configuration (csa_ops.row_epilogue.fused_training()); a step captured without them
-    runs the separate kernels. Arguments otherwise as in precompile_store."""
+    ops. With ``ratio`` and ``coff``, also the kernels that run its whole forward and whole
+    backward in one launch each where the register-window family pools that
+    configuration; a step captured without them runs the separate kernels. Arguments otherwise as in precompile_store."""
     from . import host
 
     return host.precompile_epilogue(head_dim, rope_dim, rotate, eps, dtype, weight_dtype,

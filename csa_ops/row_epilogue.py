@@ -12,8 +12,9 @@ kernels.
 
 All three are on by default; ``torch_route()`` and ``kernel_route()`` choose for a scope.
 ``launch_forward_epilogue`` and ``launch_backward_epilogue`` run either direction of the
-training op as one kernel with its pooling, where the register-window family pools it;
-they are off by default (``fused_training()`` turns them on for a scope).
+training op as one kernel with its pooling, where the register-window family pools it
+(the default; ``two_launch_forward()`` and ``staged_backward()`` turn them off for a
+scope).
 The kernels compute the composition of ``csa_ops.reference_epilogue`` operation for
 operation, so the results are the torch route's bytes (grad_weight: its column sums in the
 kernel's own fixed order); calls a kernel does not take (fp64 rows, non-power-of-two
@@ -88,8 +89,8 @@ def two_launch_forward():
 @contextlib.contextmanager
 def fused_training():
     """Within: csa::compressor_epilogue's forward and backward each run as one kernel with
-    the pooling where the register-window family pools them (off by default: these kernels
-    have compiled for both archs but not yet run on a GPU)."""
+    the pooling where the register-window family pools them (the default; for a scope
+    within two_launch_forward() or staged_backward())."""
     with _switched("fused_training_forward", True), _switched("fused_training_backward", True):
         yield
 

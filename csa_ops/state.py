@@ -55,10 +55,10 @@ class ProcessState:
         self.store_kernel = True
         self.fused_store_step = True  # ... a decode step's in one kernel with its pooling
         self.training_epilogue_kernel = True
-        # ... its forward in one kernel with its pooling, and its backward: off until they
-        # have run on a GPU (row_epilogue.fused_training() turns them on for a scope)
-        self.fused_training_forward = False
-        self.fused_training_backward = False
+        # ... its forward in one kernel with its pooling, and its backward
+        # (row_epilogue.two_launch_forward() and staged_backward() turn them off for a scope)
+        self.fused_training_forward = True
+        self.fused_training_backward = True
         self.training_epilogue_backward_kernel = True
         self.forward_numerics = ForwardNumerics.CERTIFIED
         # csa_ops.native

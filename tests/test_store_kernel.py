@@ -162,9 +162,12 @@ def test_routes_and_defaults():
         return (STATE.store_kernel, STATE.training_epilogue_kernel,
                 STATE.training_epilogue_backward_kernel)
 
-    # The fused training kernels are off until they have run on a GPU.
     assert STATE.fused_store_step
-    assert not (STATE.fused_training_forward or STATE.fused_training_backward)
+    assert STATE.fused_training_forward and STATE.fused_training_backward
+    with row_epilogue.two_launch_forward(), row_epilogue.staged_backward():
+        assert not (STATE.fused_training_forward or STATE.fused_training_backward)
+        with row_epilogue.fused_training():
+            assert STATE.fused_training_forward and STATE.fused_training_backward
     with row_epilogue.fused_training():
         assert STATE.fused_training_forward and STATE.fused_training_backward
         for two_launches, flag in ((row_epilogue.two_launch_step, "fused_store_step"),
@@ -173,7 +176,7 @@ def test_routes_and_defaults():
             with two_launches():
                 assert not getattr(STATE, flag)
             assert getattr(STATE, flag)
-    assert not (STATE.fused_training_forward or STATE.fused_training_backward)
+    assert STATE.fused_training_forward and STATE.fused_training_backward
 
     assert flags() == (True, True, True)
     with row_epilogue.torch_route():
@@ -285,6 +288,9 @@ def test_the_fused_training_kernels_compile_for_their_configuration(config, arch
     key = plan.configure(str(dtype)[6:], str(weight)[6:], d, rope, rotate, "none", 1e-6, arch,
                          offsets)
     fused = FUSED_TRAINING[direction](key, ratio, coff)
+    if direction is Direction.BACKWARD_EPILOGUE and key.threads < 64:
+        assert fused is None  # a one-warp CTA: the staged route runs it
+        return
     assert fused is not None and fused.epilogue == key and fused.arch == arch
     assert (fused.pooling.knobs.vec, fused.pooling.knobs.threads) == (key.vec, key.threads)
     # The pooling's knob that fixes a row's bits is the forward key's (the backward pools
@@ -340,6 +346,17 @@ def test_the_fused_backward_holds_a_window_and_its_partials_in_shared_memory():
     assert host.training_forward_key(epilogue, 8, 2) is not None
     assert host.training_backward_key(epilogue, 8, 2) is None
     assert host.training_backward_key(epilogue, 4, 2) is not None
+
+
+@pytest.mark.parametrize("d, dtype, taken", [(128, "bfloat16", False), (128, "float32", False),
+                                             (256, "bfloat16", True), (512, "bfloat16", True)])
+def test_the_fused_backward_declines_one_warp_ctas(d, dtype, taken):
+    """Rows one warp covers (the epilogue's 4 columns a thread) go the staged way back; the
+    forward still takes them."""
+    epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
+    assert (epilogue.threads >= 64) == taken
+    assert host.training_forward_key(epilogue, 4, 2) is not None
+    assert (host.training_backward_key(epilogue, 4, 2) is not None) == taken
 
 
 @pytest.mark.parametrize("direction", list(FUSED_TRAINING))

@@ -15,13 +15,17 @@ from cutlass.memory import SmemAllocator
 
 from . import common as cm
 
+_UNROLL = 16  # a lane's parts whose loads issue together (see _sum_parts)
+
 
 @cute.kernel
 def _sum_parts(p_work: cute.Pointer, p_out: cute.Pointer, num_parts: Int32,
                size: cutlass.Constexpr[int], split: cutlass.Constexpr[int],
                pdl: cutlass.Constexpr[bool]):
-    # CTA = split warps over 32 consecutive elements (one per lane): 32 * split loads in
-    # flight, each warp reading 128 contiguous bytes per part.
+    # CTA = split warps over 32 consecutive elements (one per lane), each warp reading 128
+    # contiguous bytes per part. The loop unrolls by _UNROLL so that many of a lane's loads
+    # are in flight before its first add waits (the adds' order is the loop's either way):
+    # a few hundred parts then take two or three memory latencies, not one per 4 parts.
     cm.await_upstream(pdl)
     tid, _, _ = cute.arch.thread_idx()
     bx, _, _ = cute.arch.block_idx()
@@ -34,7 +38,7 @@ def _sum_parts(p_work: cute.Pointer, p_out: cute.Pointer, num_parts: Int32,
     sPart = smem.allocate_tensor(Float32, cute.make_layout((split, 32), stride=(32, 1)), 16)
     total = Float32(0.0)
     if e < size:
-        for x in cutlass.range(w, num_parts, split, unroll=4):
+        for x in cutlass.range(w, num_parts, split, unroll=_UNROLL):
             total = cm.add_rn(total, mWork[x * size + e])
     sPart[w, lane] = total
     cute.arch.sync_threads()
