@@ -32,6 +32,7 @@ class WindowBackward(WindowKernel):
         super().__init__(key)
         self.row_elems = self.C * self.D
         self.ape_partials = self.W * self.cvc * self.V  # grad_ape partials of a row of threads
+        self.part_elems = self.E  # a CTA's partials in the workspace: grad_ape's (E) and more
 
     @cute.jit
     def scatter_into_zeros(self, rD: cute.Tensor):
@@ -190,9 +191,10 @@ class WindowBackward(WindowKernel):
 
     @cute.jit
     def write_ape_partial(self, sAcc, p_work, bx, by, gx, tid):
-        """Fixed-order sum over the CTA's rows of threads: one grad_ape partial per CTA, in
-        the workspace's first gx * E elements. After a barrier past the last row."""
-        mWork = cute.make_tensor(p_work, gx * self.E)
+        """Fixed-order sum over the CTA's rows of threads: one grad_ape partial per CTA, the
+        first E of its part_elems in the workspace. After a barrier past the last row."""
+        mWork = cute.make_tensor(p_work, gx * self.part_elems)
+        beyond = self.part_elems - self.E  # the CTA's other partials (0: grad_ape's only)
         for e in cutlass.range(tid, self.ape_partials, self.threads):
             k = e // (self.cvc * self.V)
             c = e % (self.cvc * self.V)
@@ -203,7 +205,8 @@ class WindowBackward(WindowKernel):
             if col < self.D:
                 ape_row = k % self.R
                 half = k // self.R
-                mWork[(bx * self.R + ape_row) * self.row_elems + half * self.D + col] = total
+                mWork[(bx * self.R + ape_row) * self.row_elems + half * self.D + col
+                      + bx * beyond] = total
 
     def smem_bytes(self, extra: int = 0) -> int:
         """ape's rows, the grad_ape partials, then ``extra`` bytes; padded to the balanced

@@ -37,6 +37,7 @@ class WindowBackwardEpilogue(WindowBackward):
     def __init__(self, key: BackwardEpilogueKey) -> None:
         super().__init__(key.backward)
         self.epi = self.fused_with(RowEpilogueRowsBackward(key.epilogue))
+        self.part_elems = self.E + self.D  # a CTA's grad_ape partial, then its grad_weight's
 
     @cute.jit
     def fused_row_grads(self, p_gout, p_kv, p_score, p_cos, p_sin, p_gkv, p_gs, sApe, sAcc,
@@ -96,9 +97,9 @@ class WindowBackwardEpilogue(WindowBackward):
                             seg, u0, u1)
         cute.arch.sync_threads()
         self.write_ape_partial(sAcc, p_work, bx, by, gx, tid)
-        # grad_weight: this CTA's partial row (its rows in slot order), after the grad_ape
-        # partials.
-        partial = cute.make_tensor(p_work + Int64(gx) * self.E + Int64(bx) * self.D, self.D)
+        # grad_weight: this CTA's partial row (its rows in slot order), after its grad_ape
+        # partial.
+        partial = cute.make_tensor(p_work + Int64(bx) * self.part_elems + self.E, self.D)
         for k in cutlass.range_constexpr(self.V):
             partial[tid + k * self.epi.T] = rW[k]
 
@@ -117,7 +118,6 @@ class WindowBackwardEpilogue(WindowBackward):
                                        stream=stream, use_pdl=self.pdl,
                                        min_blocks_per_mp=self.min_ctas,
                                        preferred_smem_carveout=100)
-        # grad_ape's and grad_weight's partials, each summed in a fixed order.
-        launch_sum_parts(p_work, p_gape, grid, self.E, _SUM_SPLIT, self.pdl, stream)
-        launch_sum_parts(p_work + grid * self.E, p_gweight, grid, self.D, _SUM_SPLIT, self.pdl,
-                         stream)
+        # grad_ape's and grad_weight's partials, each summed in a fixed order, in one launch.
+        launch_sum_parts(p_work, p_gape, grid, self.part_elems, _SUM_SPLIT, self.pdl, stream,
+                         tail=(p_gweight, self.D))

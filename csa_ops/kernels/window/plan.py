@@ -378,8 +378,8 @@ def backward_epilogue_key(key: KernelKey, forward: KernelKey,
 
 def plan_backward_epilogue(key: BackwardEpilogueKey, num_tokens: int, num_rows: int,
                            num_sms: int) -> LaunchPlan:
-    """The backward's grid-stride plan with a row per CTA; the workspace holds the CTAs'
-    grad_ape partials, then their grad_weight partials."""
+    """The backward's grid-stride plan with a row per CTA; the workspace holds each CTA's
+    grad_ape partial, then its grad_weight partial (one sum launch takes both)."""
     slots = max(-(-num_tokens // key.backward.ratio), num_rows)
     grid = max(1, min(slots, num_sms * CTAS_PER_SM))
     per_cta = (key.backward.window + 1) * key.backward.head_dim  # E, then a row
