@@ -302,7 +302,9 @@ def test_training_backward_kernel_gives_the_torch_routes_gradients(config):
     """csa::compressor_epilogue_backward's way back through the epilogue by the kernel
     against its torch route: the pooled rows' gradient bitwise (edge rows included),
     grad_weight within fp32 summation error; end to end through the op, grad_kv,
-    grad_score and grad_ape bitwise (the pooling backward of the same rows' gradient)."""
+    grad_score and grad_ape bitwise (the pooling backward of the same rows' gradient), the
+    backward staged: the kernel fused into the pooling sums grad_ape in its own order
+    (tests/gpu/test_epilogue_gpu.py compares it with this route)."""
     (kv, score, ape, cu, cuc), kwargs, params, pooled = _training_call(config)
     ratio, position_offset = kwargs["ratio"], kwargs["position_offset"]
     gen = torch.Generator().manual_seed(7)
@@ -323,16 +325,16 @@ def test_training_backward_kernel_gives_the_torch_routes_gradients(config):
     grad_out = torch.randn(pooled.shape, generator=gen).to(DEVICE, pooled.dtype)
     args = (grad_out, kv, score, ape, cu, cuc, ratio, kwargs["coff"], params.norm_weight,
             params.eps, params.cos, params.sin, params.rope_dim, position_offset, params.rotate)
-    with row_epilogue.kernel_route():
-        fused = torch.ops.csa.compressor_epilogue_backward(*args)
+    with row_epilogue.kernel_route(), row_epilogue.staged_backward():
+        staged = torch.ops.csa.compressor_epilogue_backward(*args)
         again = torch.ops.csa.compressor_epilogue_backward(*args)
     with row_epilogue.torch_route():
         composed = torch.ops.csa.compressor_epilogue_backward(*args)
     for i, name in enumerate(("grad_kv", "grad_score", "grad_ape")):
-        assert_bitwise_equal(fused[i], composed[i], name)
-    _assert_weight_grad_close(fused[3], composed[3], rows, "grad_weight")
+        assert_bitwise_equal(staged[i], composed[i], name)
+    _assert_weight_grad_close(staged[3], composed[3], rows, "grad_weight")
     for i in range(4):
-        assert_bitwise_equal(again[i], fused[i], "run to run")
+        assert_bitwise_equal(again[i], staged[i], "run to run")
 
 
 @pytest.mark.parametrize("eps", [0.0, 1e-6])
