@@ -142,9 +142,16 @@ def plan_forward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -
 
 def plan_backward(key: KernelKey, num_tokens: int, num_rows: int, num_sms: int) -> LaunchPlan:
     g = geometry(key)
-    slots = max(-(-num_tokens // g.R), num_rows)
-    grid = max(1, min(-(-slots // g.rpc), max(1, num_sms * CTAS_PER_SM // g.ny)))
+    grid = _grid_stride(key.ratio, num_tokens, num_rows, g.rpc, g.ny, num_sms)
     return LaunchPlan(grid=grid, workspace=grid * g.E)
+
+
+def _grid_stride(ratio: int, num_tokens: int, num_rows: int, rows_per_cta: int,
+                 chunks: int, num_sms: int) -> int:
+    """The backward's grid (its row blocks): CTAS_PER_SM CTAs an SM over the column chunks,
+    fewer where the slots (a row and a ratio of tokens each) run out."""
+    slots = max(-(-num_tokens // ratio), num_rows)
+    return max(1, min(-(-slots // rows_per_cta), max(1, num_sms * CTAS_PER_SM // chunks)))
 
 
 # csa::compressor_extend. Launch knobs by call size (new tokens). H200, d512 r4 c2 bf16,
@@ -380,7 +387,6 @@ def plan_backward_epilogue(key: BackwardEpilogueKey, num_tokens: int, num_rows: 
                            num_sms: int) -> LaunchPlan:
     """The backward's grid-stride plan with a row per CTA; the workspace holds each CTA's
     grad_ape partial, then its grad_weight partial (one sum launch takes both)."""
-    slots = max(-(-num_tokens // key.backward.ratio), num_rows)
-    grid = max(1, min(slots, num_sms * CTAS_PER_SM))
+    grid = _grid_stride(key.backward.ratio, num_tokens, num_rows, 1, 1, num_sms)
     per_cta = (key.backward.window + 1) * key.backward.head_dim  # E, then a row
     return LaunchPlan(grid=grid, workspace=grid * per_cta)
