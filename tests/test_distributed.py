@@ -11,6 +11,7 @@ here is plain Python, independent of the module's tensor formulas.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -354,10 +355,26 @@ def compiled_steps(group, world: int, rank: int, failures: Failures):
 
 # --- the process set -------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def reporting(directory: str, rank: int, failures: Failures):
+    """A rank's body: an exception it raises is recorded (and raised again), and the rank's
+    failures land in rank<k>.json for the parent whatever happens; the process group is
+    destroyed after a body that returns."""
+    try:
+        yield
+    except Exception:
+        failures.append(f"rank {rank} raised:\n{traceback.format_exc()}")
+        raise
+    finally:
+        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
+            json.dump(list(failures), f)
+    dist.destroy_process_group()
+
+
 def worker(rank: int, directory: str):
     torch.set_num_threads(1)  # four processes share the machine's cores
     failures = Failures()
-    try:
+    with reporting(directory, rank, failures):
         try:
             distributed.gather_rows(torch.zeros(1, 8), torch.zeros(1, dtype=torch.long), 1)
             failures.append(f"rank {rank}: no error before init_process_group")
@@ -381,13 +398,6 @@ def worker(rank: int, directory: str):
         if rank < 2:
             compiled_steps(pair, 2, rank, failures)
         dist.barrier()
-    except Exception:
-        failures.append(f"rank {rank} raised:\n{traceback.format_exc()}")
-        raise
-    finally:
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-            json.dump(list(failures), f)
-    dist.destroy_process_group()
 
 
 def test_context_parallel_matches_one_process(tmp_path):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_distributed import Failures, local_positions, owned_rows
+from test_distributed import Failures, local_positions, owned_rows, reporting
 
 import csa_ops
 from csa_ops import distributed
@@ -265,19 +264,12 @@ def gpu_worker(rank: int, world: int, directory: str):
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     failures = Failures()
-    try:
+    with reporting(directory, rank, failures):
         for layout in LAYOUTS:
             for config in CONFIGS:
                 check_case(None, world, rank, layout, config, 3, failures)
             check_case(None, world, rank, layout, CONFIGS[0], None, failures)
             check_graph_replays(None, world, rank, layout, failures)
-    except Exception:
-        failures.append(f"rank {rank} raised:\n{traceback.format_exc()}")
-        raise
-    finally:
-        with open(os.path.join(directory, f"rank{rank}.json"), "w") as f:
-            json.dump(list(failures), f)
-    dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices or more")
