@@ -21,10 +21,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.memory import SmemAllocator
 
 from ..epilogue.training import RowEpilogueRowsBackward
-from ..shared import common as cm
 from ..shared import segments
 from ..shared.reduce import launch_sum_parts
 from .backward import _SUM_SPLIT, WindowBackward
@@ -65,12 +63,8 @@ class WindowBackwardEpilogue(WindowBackward):
     def kernel(self, p_gout, p_kv, p_score, p_ape, p_cu, p_cuc, p_weight, p_cos, p_sin,
                p_offset, p_gkv, p_gs, p_work, num_tokens: Int32, num_rows: Int32,
                num_segs: Int32, table_rows: Int32):
-        cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        bx, by, gx = self.cta_coords()
-        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
-        smem = SmemAllocator()
-        sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
+        tid, (bx, by, gx), cu, cuc, smem, sApe = self.fused_prologue(p_cu, p_cuc, num_segs,
+                                                                      num_rows)
         sAcc = self.ape_accumulators(smem, tid)
         sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
         rWeight = self.epi.load_weight(p_weight, tid)

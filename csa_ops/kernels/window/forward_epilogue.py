@@ -22,10 +22,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import Float32, Int32, Int64, cute
-from cutlass.memory import SmemAllocator
 
 from ..epilogue.training import RowEpilogueRows
-from ..shared import common as cm
 from ..shared import segments
 from .forward import WindowForward
 from .plan import ForwardEpilogueKey
@@ -78,12 +76,8 @@ class WindowForwardEpilogue(WindowForward):
     def kernel(self, p_kv, p_score, p_ape, p_cu, p_cuc, p_weight, p_cos, p_sin, p_offset,
                p_out, num_tokens: Int32, num_rows: Int32, num_segs: Int32, table_rows: Int32,
                rows_per_cta: Int32):
-        cm.await_upstream(self.pdl)
-        tid, _, _ = cute.arch.thread_idx()
-        cta, _, _ = self.cta_coords()
-        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
-        smem = SmemAllocator()
-        sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
+        tid, (cta, _, _), cu, cuc, smem, sApe = self.fused_prologue(p_cu, p_cuc, num_segs,
+                                                                     num_rows)
         sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
         sPosition = smem.allocate_tensor(Int64, cute.make_layout(self.threads), 8)
         sToken = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import cutlass
 from cutlass import Float32, Int64, cute
+from cutlass.memory import SmemAllocator
 
 from ...config import TYPES, KernelKey
 from ..shared import common as cm
@@ -69,6 +70,17 @@ class WindowKernel(Geometry):
         assert self.whole_rows and (self.ny, self.rpc, self.threads) == (1, 1, epilogue.T)
         assert self.V == epilogue.V
         return epilogue
+
+    @cute.jit
+    def fused_prologue(self, p_cu, p_cuc, num_segs, num_rows):
+        """A fused kernel's start, after the upstream grid: (thread index, CTA coordinates,
+        cu_seqlens, cu_seqlens_comp, its shared memory, ape's rows allocated first in it)."""
+        cm.await_upstream(self.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        coords = self.cta_coords()
+        cu, cuc = self.call_offsets(p_cu, p_cuc, num_segs, num_rows)
+        smem = SmemAllocator()
+        return tid, coords, cu, cuc, smem, smem.allocate_tensor(Float32, self.ape_layout(), 16)
 
     @cute.jit
     def call_offsets(self, p_cu, p_cuc, num_segs, num_rows):
