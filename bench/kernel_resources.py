@@ -1,8 +1,11 @@
 """Registers, spills and stack of every compiled kernel, per configuration (no GPU needed).
 
 Each direction of a configuration's heuristic key is cross-compiled to PTX (host.ptx), then
-``ptxas -v`` reports the resources of each entry: the family's main kernel and, in the
-backward, the grad_ape sum. Needs ``ptxas`` on PATH (the CUDA toolkit).
+``ptxas -v`` reports the resources of each entry in launch order: the family's main kernel,
+then the deferred ratio-128 forward's exact columns or the backward's fixed-order sum. Where the register-window family fuses the training op's
+epilogue into the pooling (RoPE 64, an fp32 norm weight), its two kernels too (``fepi``,
+``bepi``: the fused backward's sum takes grad_weight's partials as well). Needs ``ptxas`` on
+PATH (the CUDA toolkit).
 ``python bench/kernel_resources.py``
 """
 
@@ -21,13 +24,17 @@ from pathlib import Path
 from csa_ops import host
 from csa_ops.config import ARCHS, Direction, KernelKey
 from csa_ops.kernels import select_key
+from csa_ops.kernels.epilogue import plan as epilogue_plan
 
 CONFIGS = (  # (ratio, coff, head_dim, dtype): production shapes, odd dims, both families
     (4, 2, 128, "bfloat16"), (4, 2, 512, "bfloat16"), (4, 1, 128, "bfloat16"),
     (2, 2, 512, "bfloat16"), (16, 2, 128, "bfloat16"), (4, 2, 65, "float16"),
     (128, 1, 128, "bfloat16"), (128, 2, 512, "bfloat16"), (256, 2, 64, "float16"),
 )
-ROLES = ("main", "grad_ape sum")  # entries in launch order
+# A launch after the main kernel, by the class or function its symbol names.
+ROLES = {"_sum_parts": "fixed-order sum", "ExactColumns": "exact columns"}
+TRAINING = ((Direction.FORWARD_EPILOGUE, host.training_forward_key),
+            (Direction.BACKWARD_EPILOGUE, host.training_backward_key))
 _PTX_ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _ENTRY = re.compile(r"Compiling entry function '(\w+)'")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -36,30 +43,48 @@ _REGS = re.compile(r"Used (\d+) registers")
 
 def key_summary(key: KernelKey) -> str:
     """'window vec 2 x256' plus the knobs that differ from their defaults."""
-    knobs = key.knobs
+    knobs = getattr(key, "pooling", key).knobs  # a fused key's: its pooling key's
     extra = [f"{f.name}={int(v) if isinstance(v, bool) else v}"
              for f in dataclasses.fields(knobs)
              if f.name not in ("vec", "threads") and (v := getattr(knobs, f.name)) != f.default]
     return " ".join([f"{key.family} vec {knobs.vec} x{knobs.threads}", *extra])
 
 
+def role(entry: str, order: list[str]) -> str:
+    if order.index(entry) == 0:
+        return "main"
+    return next((name for marker, name in ROLES.items() if marker in entry), entry[:40])
+
+
+def kernel_keys(ratio, coff, head_dim, dtype, arch):
+    """(direction, key) of each kernel a configuration runs: csa::compressor's two
+    directions, then the fused training kernels where there are any."""
+    keys = [(Direction(d), select_key(ratio, coff, head_dim, dtype, arch, Direction(d)))
+            for d in host.DIRECTIONS]
+    epilogue = epilogue_plan.configure(dtype, "float32", head_dim, 64, False, "none", 1e-6,
+                                       arch, False)
+    if epilogue_plan.supports(epilogue):
+        keys += [(d, fused) for d, key_of in TRAINING
+                 if (fused := key_of(epilogue, ratio, coff)) is not None]
+    return keys
+
+
 def resources(ratio, coff, head_dim, dtype, arch):
     """[(direction, key summary, kernel role, registers, stack, spill stores, spill loads)]."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for direction in host.DIRECTIONS:
-            key = select_key(ratio, coff, head_dim, dtype, arch, Direction(direction))
+        for direction, key in kernel_keys(ratio, coff, head_dim, dtype, arch):
             text = host.ptx(direction, key)
             order = _PTX_ENTRY.findall(text)  # the module's order is launch order
-            ptx = Path(tmp, f"{direction}.ptx")
+            ptx = Path(tmp, f"{direction.value}.ptx")
             ptx.write_text(text)
             report = subprocess.run(["ptxas", "-v", f"-arch={arch}", "-o", os.devnull, str(ptx)],
                                     capture_output=True, text=True, check=True).stderr
             found = zip(_ENTRY.findall(report), _SPILL.findall(report), _REGS.findall(report))
-            for entry, spill, regs in found:
-                rows.append((direction, key_summary(key), ROLES[order.index(entry)], int(regs),
-                             *map(int, spill)))
-    return sorted(rows, key=lambda row: (row[0] == "bwd", ROLES.index(row[2])))
+            for entry, spill, regs in sorted(found, key=lambda f: order.index(f[0])):
+                rows.append((direction.value, key_summary(key), role(entry, order),
+                             int(regs), *map(int, spill)))
+    return rows
 
 
 def main() -> None:
