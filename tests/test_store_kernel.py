@@ -146,8 +146,9 @@ def test_key_shapes_and_checks():
                                         "sm_90a"))
     for bad in ({"dtype": "float64"}, {"cache_format": "fp8"}, {"eps": float("nan")},
                 {"arch": "sm_80"}, {"weight_dtype": "int32"}):
-        fields = dict(dtype="bfloat16", weight_dtype="float32", head_dim=128, rope_dim=0,
-                      rotate=False, cache_format="none", eps=1e-6, arch="sm_90a") | bad
+        fields = {"dtype": "bfloat16", "weight_dtype": "float32", "head_dim": 128,
+                  "rope_dim": 0, "rotate": False, "cache_format": "none", "eps": 1e-6,
+                  "arch": "sm_90a"} | bad
         with pytest.raises(ValueError, match="EpilogueKey"):
             plan.EpilogueKey(**fields)
 
