@@ -3,9 +3,10 @@
     ncu --profile-from-start off --section SpeedOfLight python3 bench/profile_epilogue.py
 
 bf16 r4 c2 3 x 8192 tokens d512, RoPE 64, fp32 norm weight; the step runs twice before the
-range opens, so the profiled kernels are one training step's: the pooling forward and the
-row epilogue, then the backward's recomputed pooling, its row epilogue and the pooling
-backward.
+range opens, so the profiled kernels are one training step's: by default the fused forward,
+then the fused backward and its sum of partials (under csa_ops.row_epilogue's
+two_launch_forward() and staged_backward(): the pooling forward and the row epilogue, then
+the backward's recomputed pooling, its row epilogue and the pooling backward).
 """
 
 from __future__ import annotations
