@@ -82,7 +82,8 @@ def precompile_epilogue(head_dim: int, rope_dim: int = 0, rotate: bool = False,
     for calls that pass one. Returns their key, or None where that epilogue runs as torch
     ops. With ``ratio`` and ``coff``, also the kernels that run its whole forward and whole
     backward in one launch each where the register-window family pools that
-    configuration; a step captured without them runs the separate kernels. Arguments otherwise as in precompile_store."""
+    configuration; a step captured without them runs the separate kernels. Arguments
+    otherwise as in precompile_store."""
     from . import host
 
     return host.precompile_epilogue(head_dim, rope_dim, rotate, eps, dtype, weight_dtype,
