@@ -2,10 +2,10 @@
 
 Each direction of a configuration's heuristic key is cross-compiled to PTX (host.ptx), then
 ``ptxas -v`` reports the resources of each entry in launch order: the family's main kernel,
-then the deferred ratio-128 forward's exact columns or the backward's fixed-order sum. Where the register-window family fuses the training op's
-epilogue into the pooling (RoPE 64, an fp32 norm weight), its two kernels too (``fepi``,
-``bepi``: the fused backward's sum takes grad_weight's partials as well). Needs ``ptxas`` on
-PATH (the CUDA toolkit).
+then the deferred ratio-128 forward's exact columns or the backward's fixed-order sum.
+Where the register-window family fuses the training op's epilogue into the pooling (RoPE
+64, an fp32 norm weight), its two kernels too (``fepi``, ``bepi``: the fused backward's sum
+takes grad_weight's partials as well). Needs ``ptxas`` on PATH (the CUDA toolkit).
 ``python bench/kernel_resources.py``
 """
 
