@@ -9,12 +9,11 @@ weight), side by side in one run:
 - ``eager``: csa::compressor, then the epilogue as torch ops (csa_ops.reference_epilogue);
 - ``op + compiled epilogue``: csa::compressor, then torch.compile of the epilogue;
 - ``compiled block``: torch.compile of both (the op an opaque call under the "auto" mode);
-- ``fused op``: csa::compressor_epilogue as the package runs it by default, and beside it
+- ``fused op``: csa::compressor_epilogue as the package runs it by default (forward and
+  backward in one kernel each where the register-window family pools them), and beside it
   with its row epilogue forced to the kernels (``kernel epilogue``), to torch ops (``torch
-  epilogue``), to the row-epilogue kernels beside the pooling kernels (``unfused``: the
-  forward as two launches, the backward staged) and to the fused kernels (``fused
-  kernels``: forward and backward in one kernel each where the register-window family
-  pools them; csa_ops.row_epilogue's routes);
+  epilogue``) and to the row-epilogue kernels beside the pooling kernels (``unfused``: the
+  forward as two launches, the backward staged; csa_ops.row_epilogue's routes);
 - ``op alone``: csa::compressor with no epilogue (gradients of kv, score and ape), the time
   the fused op's targets are stated against (not checked: other outputs);
 - on CUDA each but ``eager`` also from CUDA-graph replays (device time);
@@ -135,7 +134,6 @@ def _variants(e: Epilogue):
         "fused op": e.fused,
         "fused op, kernel epilogue": _routed(e.fused, row_epilogue.kernel_route),
         "fused op, unfused": _routed(e.fused, _unfused),
-        "fused op, fused kernels": _routed(e.fused, row_epilogue.fused_training),
         "fused op, torch epilogue": _routed(e.fused, row_epilogue.torch_route),
         OP_ALONE: lambda kv, score, ape, w: e.pool(kv, score, ape),
     }
