@@ -69,21 +69,29 @@ def kernel_keys(ratio, coff, head_dim, dtype, arch):
     return keys
 
 
+def ptxas_resources(text: str, arch: str) -> list[tuple[str, int, int, int, int]]:
+    """(entry, registers, stack, spill stores, spill loads) of each entry of a PTX module,
+    in the module's order (launch order), from ``ptxas -v``."""
+    order = _PTX_ENTRY.findall(text)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp, "module.ptx")
+        ptx.write_text(text)
+        report = subprocess.run(["ptxas", "-v", f"-arch={arch}", "-o", os.devnull, str(ptx)],
+                                capture_output=True, text=True, check=True).stderr
+    found = zip(_ENTRY.findall(report), _REGS.findall(report), _SPILL.findall(report))
+    return sorted(((entry, int(regs), *map(int, spill)) for entry, regs, spill in found),
+                  key=lambda row: order.index(row[0]))
+
+
 def resources(ratio, coff, head_dim, dtype, arch):
     """[(direction, key summary, kernel role, registers, stack, spill stores, spill loads)]."""
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for direction, key in kernel_keys(ratio, coff, head_dim, dtype, arch):
-            text = host.ptx(direction, key)
-            order = _PTX_ENTRY.findall(text)  # the module's order is launch order
-            ptx = Path(tmp, f"{direction.value}.ptx")
-            ptx.write_text(text)
-            report = subprocess.run(["ptxas", "-v", f"-arch={arch}", "-o", os.devnull, str(ptx)],
-                                    capture_output=True, text=True, check=True).stderr
-            found = zip(_ENTRY.findall(report), _SPILL.findall(report), _REGS.findall(report))
-            for entry, spill, regs in sorted(found, key=lambda f: order.index(f[0])):
-                rows.append((direction.value, key_summary(key), role(entry, order),
-                             int(regs), *map(int, spill)))
+    for direction, key in kernel_keys(ratio, coff, head_dim, dtype, arch):
+        found = ptxas_resources(host.ptx(direction, key), arch)
+        order = [entry for entry, *_ in found]
+        for entry, regs, stack, st, ld in found:
+            rows.append((direction.value, key_summary(key), role(entry, order), regs, stack,
+                         st, ld))
     return rows
 
 

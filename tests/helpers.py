@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10,
        torch.bfloat16: 2.0**-7}
@@ -398,3 +403,13 @@ def use_lowering_mode(mode: str):
         yield mode
     finally:
         lowering.set_mode(previous)
+
+
+def bench_module(name: str):
+    """A bench/ module, imported the way the scripts import their neighbours (bench/ on
+    sys.path)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -93,19 +93,9 @@ def test_speedups_against_baselines(bench_run):
             assert math.isclose(r["speedup_vs_eager"], eager[(r["shape"], "fwd")] / r["median_s"])
 
 
-def _bench_module(name: str):
-    """A bench/ module, imported the way the scripts import their neighbours (bench/ on
-    sys.path)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 @pytest.fixture(scope="module")
 def variants():
-    return _bench_module("variants")
+    return bench_module("variants")
 
 
 @pytest.mark.parametrize(("ratio", "coff", "family", "knobs"), [
@@ -114,7 +104,7 @@ def test_time_extend_takes_variants_of_either_family(ratio, coff, family, knobs)
     from csa_ops import host
     from csa_ops.config import Direction, with_knobs
 
-    time_extend = _bench_module("time_extend")
+    time_extend = bench_module("time_extend")
     forward = host.select_key(ratio, coff, 512, "bfloat16", "sm_90a", Direction.FORWARD)
     text = ",".join(f"{name}={value}" for name, value in knobs.items())
     keys = time_extend.variant_keys(["own", "p:part=1", f"v:{text}"], forward)
@@ -131,7 +121,7 @@ def test_floor_bytes_read_inputs_once_and_write_outputs_once(variants):
 
 
 def test_serving_floor_bytes_count_the_state_traffic():
-    traffic = _bench_module("serving_traffic")
+    traffic = bench_module("serving_traffic")
     d, es = 512, 2
     pair = d * (es + 4)  # one column half of a state entry: values and fp32 logits
     token = 2 * 2 * d * es  # kv + score, both coff halves
@@ -200,7 +190,7 @@ def test_without_matplotlib_writes_json_and_markdown(tmp_path):
 
 @pytest.fixture(scope="module")
 def time_kernels():
-    return _bench_module("time_kernels")
+    return bench_module("time_kernels")
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -248,7 +238,7 @@ def test_sweep_verdict_compares_with_the_default_keys_bits(time_kernels):
 def test_serving_device_timings_give_every_variant_the_same_calls(mode):
     # A graph replay's fixed cost is shared by its calls: every variant of a case replays
     # the same number, whatever one eager call of it costs (the step is never run here).
-    serving = _bench_module("bench_serving")
+    serving = bench_module("bench_serving")
     args = serving.parse_args(["--device", "cpu", "--calls", "50"])
 
     def step(i):
@@ -263,7 +253,7 @@ def test_serving_device_timings_give_every_variant_the_same_calls(mode):
 def test_compressor_graph_batches_give_every_variant_the_same_calls():
     # bench_compressor.py sizes batches through the same helper: a graph variant replays
     # --batch calls whatever one call of it costs; a wall-time variant is timed first.
-    bench = _bench_module("bench_compressor")
+    bench = bench_module("bench_compressor")
     args = bench.parse_args(["--device", "cpu", "--batch", "20", "--shapes", "r4c2_2x64_d128"])
     case = bench.Case(args.shape_list[0], args.device, torch.bfloat16, 3)
     graph = next(v for v in bench.variants.VARIANTS.values() if v.timing == "graph")

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 
 import pytest
 import torch
+from helpers import bench_module
 
 import csa_ops
 from csa_ops import cache_formats, compile_cache, host, reference_epilogue
 from csa_ops.config import ARCHS, Direction
 from csa_ops.kernels.epilogue import plan
+from csa_ops.kernels.window import plan as window_plan
 
 # (cache_format, dtype, weight dtype, head_dim, rope_dim, rotate): every format, each dtype,
 # each thread shape (16 to 128 threads, 4 to 8 columns each), RoPE on and off, rotation.
@@ -289,9 +292,6 @@ def test_the_fused_training_kernels_compile_for_their_configuration(config, arch
     key = plan.configure(str(dtype)[6:], str(weight)[6:], d, rope, rotate, "none", 1e-6, arch,
                          offsets)
     fused = FUSED_TRAINING[direction](key, ratio, coff)
-    if direction is Direction.BACKWARD_EPILOGUE and key.threads < 64:
-        assert fused is None  # a one-warp CTA: the staged route runs it
-        return
     assert fused is not None and fused.epilogue == key and fused.arch == arch
     assert (fused.pooling.knobs.vec, fused.pooling.knobs.threads) == (key.vec, key.threads)
     # The pooling's knob that fixes a row's bits is the forward key's (the backward pools
@@ -312,6 +312,53 @@ def test_the_fused_training_kernels_compile_for_their_configuration(config, arch
     else:
         # The kernel and the fixed-order sum of grad_ape's and grad_weight's partials.
         assert len(re.findall(r"\.entry", ptx)) == 2
+    if shutil.which("ptxas"):
+        # No spills, and the forward within the registers of the CTAs an SM its plan fills
+        # (its launch bound).
+        (_, registers, _, spill_stores, spill_loads), *_ = bench_module(
+            "kernel_resources").ptxas_resources(ptx, arch)
+        assert spill_stores == spill_loads == 0
+        if direction is Direction.FORWARD_EPILOGUE:
+            resident = fused.pooling.knobs.min_ctas
+            assert registers * key.threads * resident <= window_plan.REGISTER_FILE
+
+
+@pytest.mark.parametrize("ratio, coff, d, dtype", [
+    (4, 2, 512, "bfloat16"), (4, 2, 128, "bfloat16"), (4, 1, 512, "bfloat16"),
+    (8, 2, 512, "bfloat16"), (4, 2, 1024, "bfloat16"), (4, 2, 256, "float32"),
+    (2, 1, 1024, "float16")])
+def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dtype):
+    """Its CTAs an SM (its launch bound) fit the registers it is estimated at (whole warps
+    of them in each of an SM's four register sub-partitions), the shared memory and the
+    threads of an SM, and one more would not; its plan gives each row to one CTA,
+    consecutively, and puts at most one wave of CTAs on the SMs until every thread of that
+    wave holds a row."""
+    from csa_ops.kernels.streaming.plan import SMEM_PER_SM
+    from csa_ops.kernels.window.forward_epilogue import WindowForwardEpilogue
+
+    epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
+    key = host.training_forward_key(epilogue, ratio, coff)
+    resident, threads = key.forward.knobs.min_ctas, epilogue.threads
+    registers = -(-window_plan.forward_epilogue_registers(key.forward) // 8) * 8
+
+    def fits(ctas):
+        warps_a_partition = -(-ctas * threads // 32 // window_plan.SUB_PARTITIONS)
+        return (ctas * threads <= window_plan.MAX_THREADS_PER_SM
+                and ctas <= window_plan.MAX_CTAS_PER_SM
+                and warps_a_partition * 32 * registers
+                <= window_plan.REGISTER_FILE // window_plan.SUB_PARTITIONS)
+
+    assert fits(resident) and not fits(resident + 1)
+    assert resident * WindowForwardEpilogue(key).smem_bytes() <= SMEM_PER_SM
+    sms = 132
+    for rows in (1, 5, 1000, 6144, 16384, sms * resident * threads, 10**6):
+        launch, rows_per_cta = window_plan.plan_forward_epilogue(key, rows, sms)
+        assert 1 <= rows_per_cta <= threads
+        assert (launch.grid - 1) * rows_per_cta < rows <= launch.grid * rows_per_cta
+        if rows <= sms * resident * threads:
+            assert launch.grid <= sms * resident
+        else:
+            assert rows_per_cta == threads
 
 
 def test_precompile_epilogue_with_a_configuration_compiles_the_fused_kernels():
@@ -327,7 +374,7 @@ def test_precompile_epilogue_with_a_configuration_compiles_the_fused_kernels():
 @pytest.mark.parametrize("ratio, coff, d, dtype, why", [
     (128, 1, 512, "bfloat16", "the streaming family pools it"),
     (16, 2, 512, "bfloat16", "ape's window-32 rows past the shared memory it takes"),
-    (16, 2, 128, "bfloat16", "a window of 32 at 4 columns a thread: past the registers"),
+    (16, 2, 256, "bfloat16", "a window of 32 at 4 columns a thread: past the registers"),
     (4, 2, 64, "bfloat16", "half a warp per row"),
     (4, 2, 1024, "float32", "32-byte vectors"),
 ])
@@ -349,15 +396,21 @@ def test_the_fused_backward_holds_a_window_and_its_partials_in_shared_memory():
     assert host.training_backward_key(epilogue, 4, 2) is not None
 
 
-@pytest.mark.parametrize("d, dtype, taken", [(128, "bfloat16", False), (128, "float32", False),
-                                             (256, "bfloat16", True), (512, "bfloat16", True)])
-def test_the_fused_backward_declines_one_warp_ctas(d, dtype, taken):
-    """Rows one warp covers (the epilogue's 4 columns a thread) go the staged way back; the
-    forward still takes them."""
-    epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
-    assert (epilogue.threads >= 64) == taken
-    assert host.training_forward_key(epilogue, 4, 2) is not None
-    assert (host.training_backward_key(epilogue, 4, 2) is not None) == taken
+@pytest.mark.parametrize("d, dtype, threads", [(64, "bfloat16", 16), (128, "bfloat16", 64),
+                                               (128, "float32", 64), (256, "bfloat16", 64),
+                                               (512, "bfloat16", 128)])
+def test_unencoded_rows_take_two_warps_where_they_can(d, dtype, threads):
+    """Rows in their dtype (format "none": the training op's) that 4 columns a thread leave
+    to one warp take two at 2 columns a thread, so both fused training kernels take a row of
+    128 columns; encoded rows keep 4 columns a thread (a 4-byte store of e4m3 codes)."""
+    epilogue = plan.configure(dtype, "float32", d, 0, False, "none", 1e-6, "sm_90a")
+    assert (epilogue.threads, epilogue.vec) == (threads, d // threads)
+    if d == 128:
+        encoded = plan.configure(dtype, "float32", d, 0, False, "fp8_block128", 1e-6, "sm_90a")
+        assert (encoded.threads, encoded.vec) == (32, 4)
+    if threads % 32 == 0:
+        for key_of in FUSED_TRAINING.values():
+            assert key_of(epilogue, 4, 2).pooling.knobs.threads == threads
 
 
 @pytest.mark.parametrize("direction", list(FUSED_TRAINING))

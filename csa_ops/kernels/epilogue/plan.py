@@ -19,6 +19,12 @@ from ...config import ARCHS, DTYPES, TYPES
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_THREADS = 128  # per CTA (one row); wider rows give each thread more columns
 MIN_VEC = 4  # columns per thread at least: a 4-byte store of e4m3 codes, 2 bytes of e2m1
+# Rows stored in their dtype (format "none") have no codes to store, so a row that MIN_VEC
+# columns a thread leaves to one warp takes two at 2 columns a thread: its kernels fused with
+# the pooling are latency-bound there. H100, bf16 r4 c2 1x8192 d128 RoPE 64, CUDA-graph
+# replay: the fused training forward 6.64 against 7.61 us at one warp, forward+backward 24.8
+# against 31.4 (the backward staged: the fused one took no one-warp CTAs).
+MIN_WARPS_UNENCODED = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +60,10 @@ class EpilogueKey:
 
     @property
     def threads(self) -> int:
-        return min(MAX_THREADS, self.head_dim // MIN_VEC)
+        threads = min(MAX_THREADS, self.head_dim // MIN_VEC)
+        if self.cache_format == "none" and self.head_dim // 2 >= 32 * MIN_WARPS_UNENCODED:
+            threads = max(threads, 32 * MIN_WARPS_UNENCODED)
+        return threads
 
     @property
     def vec(self) -> int:

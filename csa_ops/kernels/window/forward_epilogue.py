@@ -11,10 +11,11 @@ DRAM, no second grid and no wait between them. The pooling is the forward kernel
 (its key's softmax: the same bits) and the epilogue the training kernel's, so the output
 is the two launches' bytes.
 
-A CTA takes `rows_per_cta` consecutive rows (plan.plan_forward_epilogue), so ape is staged
-and the weight loaded once for all of them: its threads look the rows up at once, a thread
-a row, and each row's window and angles are loaded while the row before it is pooled and
-finished. Every branch around a barrier depends on the row only, the same for all threads.
+A CTA takes `rows_per_cta` consecutive rows (plan.plan_forward_epilogue: one wave of the
+CTAs an SM its launch bound, min_ctas, keeps resident), so ape is staged and the weight
+loaded once for all of them: its threads look the rows up at once, a thread a row, and each
+row's window and angles are loaded while the row before it is pooled and finished. Every
+branch around a barrier depends on the row only, the same for all threads.
 """
 
 from __future__ import annotations
@@ -126,4 +127,5 @@ class WindowForwardEpilogue(WindowForward):
         self.kernel(p_kv, p_score, p_ape, p_cu, p_cuc, p_weight, p_cos, p_sin, p_offset,
                     p_out, num_tokens, num_rows, num_segs, table_rows, rows_per_cta).launch(
             grid=self.launch_grid(grid), block=(self.threads, 1, 1), smem=self.smem_bytes(),
-            stream=stream, use_pdl=self.pdl)
+            stream=stream, use_pdl=self.pdl, min_blocks_per_mp=self.min_ctas,
+            preferred_smem_carveout=100)

@@ -331,24 +331,58 @@ class ForwardEpilogueKey(_TrainingKey):
 
 def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilogueKey | None:
     """The fused key of a training forward whose pooling key is `key` (the forward's) and
-    whose epilogue is `epilogue`; None where one CTA cannot be both (_epilogue_cta)."""
+    whose epilogue is `epilogue`; None where one CTA cannot be both (_epilogue_cta). Its
+    min_ctas is the CTAs an SM its launch bound keeps resident (forward_epilogue_residency),
+    which its plan fills in one wave."""
     fused = _epilogue_cta(key, epilogue, key.window + 1)
-    return None if fused is None else ForwardEpilogueKey(fused, epilogue)
+    if fused is None:
+        return None
+    resident = forward_epilogue_residency(fused, epilogue.threads)
+    return ForwardEpilogueKey(with_knobs(fused, min_ctas=resident), epilogue)
 
 
-# The threads per SM the fused forward's grid aims at: resident CTAs enough to keep the
-# window loads of their next rows in flight while their epilogues run.
-FORWARD_EPILOGUE_THREADS_PER_SM = 1024
+# The fused forward holds a row's window and the next row's (kv and score) in registers, so
+# its registers a thread grow with the window's elements a thread (window x vec). ptxas
+# (sm_90a), unbounded: bf16 64 at 2 x 4, 96 at 4 x 4, 148 at 8 x 4, 239 at 16 x 4, 252 at
+# 8 x 8; fp32 192 at 8 x 4; fp16 131 at 8 x 4 (the exact softmax). The estimate below is at
+# or above each, and the kernel's launch bound (min_ctas) holds it to the CTAs an SM it
+# allows, so the plan knows how many CTAs one wave holds. One wave of CTAs with a share of
+# the rows each beat more, shorter CTAs in 2.6 waves (H100, bf16 r4 c2 RoPE 64, CUDA-graph
+# replay: 3x8192 d512 42.7 against 47.9 us, 1x65536 d512 103.9 against 115.1). A bound of
+# four CTAs instead of three at d512 spills (128 registers, 24 bytes; 47.6 us), and the next
+# row's window through a cp.async ring in shared memory instead of registers (128
+# registers, four CTAs) ran 48.1 us.
+REGISTER_FILE = 64 * 1024  # 32-bit registers an SM (SM90 and SM100)
+# An SM's registers are four sub-partitions', each holding its warps' registers: a warp's
+# registers come from one, so an SM holds 4 * (registers a sub-partition // a warp's) warps.
+SUB_PARTITIONS = 4
+MAX_THREADS_PER_SM = 2048  # (SM90 and SM100)
+MAX_CTAS_PER_SM = 32  # (SM90 and SM100)
+REGISTER_GRANULE = 8  # registers a thread are allocated in multiples of this
+
+
+def forward_epilogue_registers(key: KernelKey) -> int:
+    """The fused forward's registers a thread, estimated from its window elements (42 plus
+    10/3 a 2-byte element, twice that a 4-byte one)."""
+    elements = key.window * key.knobs.vec * key.elem_bytes // 2
+    return 42 + -(-10 * elements // 3)
+
+
+def forward_epilogue_residency(key: KernelKey, threads: int) -> int:
+    """The fused forward's CTAs an SM at forward_epilogue_registers a thread."""
+    granule = REGISTER_GRANULE
+    registers = -(-forward_epilogue_registers(key) // granule) * granule
+    warps = SUB_PARTITIONS * (REGISTER_FILE // SUB_PARTITIONS // (32 * registers))
+    return max(1, min(MAX_CTAS_PER_SM, MAX_THREADS_PER_SM // threads, warps * 32 // threads))
 
 
 def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
                           num_sms: int) -> tuple[LaunchPlan, int]:
-    """(plan, rows per CTA): consecutive rows per CTA, as few as fill the SMs with
-    FORWARD_EPILOGUE_THREADS_PER_SM threads each, at most one per thread (a thread looks
-    one up); at least one CTA."""
-    threads = key.epilogue.threads
-    ctas = num_sms * max(1, FORWARD_EPILOGUE_THREADS_PER_SM // threads)
-    rows_per_cta = min(threads, max(1, -(-num_rows // ctas)))
+    """(plan, rows per CTA): consecutive rows per CTA, an equal share of them for each CTA
+    that one wave holds (key.forward.knobs.min_ctas an SM), at most one per thread (a thread
+    looks one up); at least one CTA."""
+    resident = num_sms * key.forward.knobs.min_ctas
+    rows_per_cta = min(key.epilogue.threads, max(1, -(-num_rows // resident)))
     return LaunchPlan(grid=max(1, -(-num_rows // rows_per_cta))), rows_per_cta
 
 
@@ -368,15 +402,7 @@ def backward_epilogue_key(key: KernelKey, forward: KernelKey,
                           epilogue: EpilogueKey) -> BackwardEpilogueKey | None:
     """The fused key of a training backward whose pooling keys are `key` (the backward's)
     and `forward` and whose epilogue is `epilogue`; None where one CTA cannot be both
-    (_epilogue_cta: ape's rows, the grad_ape partials' as many, the row's buffer) or where
-    its CTA would be one warp.
-
-    The grid-stride plan keeps CTAS_PER_SM CTAs on an SM (more would add grad_ape
-    partials), so one-warp CTAs (rows of 128 columns at 4 a thread) leave four warps an
-    SM to hide each row's chain of loads: there the staged route is faster (H100, bf16 r4
-    c2 1x8192 d128 forward+backward, CUDA-graph replay: 36.5 against 32.7 us)."""
-    if epilogue.threads < 2 * 32:
-        return None
+    (_epilogue_cta: ape's rows, the grad_ape partials' as many, the row's buffer)."""
     fused = _epilogue_cta(key, epilogue, 2 * key.window + 1)
     if fused is None:
         return None
