@@ -361,6 +361,23 @@ def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dt
             assert rows_per_cta == threads
 
 
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (the CUDA toolkit)")
+@pytest.mark.parametrize("ratio, coff, d, dtype", [
+    (4, 2, 512, "bfloat16"), (4, 2, 128, "bfloat16"), (8, 2, 512, "bfloat16"),
+    (4, 2, 512, "float32")])
+def test_the_fused_forward_register_estimate_covers_the_unbounded_kernel(ratio, coff, d, dtype):
+    """forward_epilogue_registers is at or above what ptxas gives the kernel without a launch
+    bound, so the bound the plan counts on costs no spills."""
+    from csa_ops.config import with_knobs
+
+    epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
+    key = host.training_forward_key(epilogue, ratio, coff)
+    unbounded = type(key)(with_knobs(key.forward, min_ctas=0), key.epilogue)
+    ptx = compile_cache.ptx(Direction.FORWARD_EPILOGUE, unbounded)
+    (_, registers, *_), = bench_module("kernel_resources").ptxas_resources(ptx, "sm_90a")
+    assert registers <= window_plan.forward_epilogue_registers(key.forward)
+
+
 def test_precompile_epilogue_with_a_configuration_compiles_the_fused_kernels():
     ratio, coff, dtype, weight, d, rope, rotate, offsets = FUSED_CONFIGS[0]
     key = csa_ops.precompile_epilogue(d, rope, rotate, 1e-6, dtype, weight, offsets, "sm_90a",
