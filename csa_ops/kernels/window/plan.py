@@ -337,8 +337,8 @@ def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilog
     fused = _epilogue_cta(key, epilogue, key.window + 1)
     if fused is None:
         return None
-    resident = forward_epilogue_residency(fused, epilogue.threads)
-    return ForwardEpilogueKey(with_knobs(fused, min_ctas=resident), epilogue)
+    return ForwardEpilogueKey(with_knobs(fused, min_ctas=forward_epilogue_residency(fused)),
+                              epilogue)
 
 
 # The fused forward holds a row's window and the next row's (kv and score) in registers, so
@@ -368,9 +368,9 @@ def forward_epilogue_registers(key: KernelKey) -> int:
     return 42 + -(-10 * elements // 3)
 
 
-def forward_epilogue_residency(key: KernelKey, threads: int) -> int:
+def forward_epilogue_residency(key: KernelKey) -> int:
     """The fused forward's CTAs an SM at forward_epilogue_registers a thread."""
-    granule = REGISTER_GRANULE
+    threads, granule = key.knobs.threads, REGISTER_GRANULE
     registers = -(-forward_epilogue_registers(key) // granule) * granule
     warps = SUB_PARTITIONS * (REGISTER_FILE // SUB_PARTITIONS // (32 * registers))
     return max(1, min(MAX_CTAS_PER_SM, MAX_THREADS_PER_SM // threads, warps * 32 // threads))
