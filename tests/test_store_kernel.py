@@ -22,7 +22,7 @@ from csa_ops.kernels.epilogue import plan
 from csa_ops.kernels.window import plan as window_plan
 
 # (cache_format, dtype, weight dtype, head_dim, rope_dim, rotate): every format, each dtype,
-# each thread shape (16 to 128 threads, 4 to 8 columns each), RoPE on and off, rotation.
+# each thread shape (8 to 128 threads, 2 to 8 columns each), RoPE on and off, rotation.
 CONFIGS = (
     ("fp8_ds_mla", torch.bfloat16, torch.float32, 512, 64, False),
     ("fp8_ds_mla", torch.float16, torch.bfloat16, 512, 64, True),
@@ -32,6 +32,7 @@ CONFIGS = (
     ("fp8_block128", torch.float16, torch.float16, 128, 0, False),
     ("none", torch.float32, torch.float32, 512, 64, True),
     ("none", torch.bfloat16, torch.float32, 32, 2, False),
+    ("none", torch.bfloat16, torch.float32, 128, 64, True),  # two warps of 2 columns
 )
 
 
@@ -268,7 +269,7 @@ def test_the_decode_step_key_holds_its_two_keys_together():
 
 # csa::compressor_epilogue's forward and backward in one kernel each
 # (kernels/window/forward_epilogue.py, backward_epilogue.py): (ratio, coff, dtype, weight
-# dtype, head_dim, rope_dim, rotate, position_offset), rows of one to four warps, both
+# dtype, head_dim, rope_dim, rotate, position_offset), rows of two to four warps, both
 # coffs, every row dtype.
 FUSED_CONFIGS = (
     (4, 2, torch.bfloat16, torch.float32, 512, 64, False, True),
@@ -319,27 +320,31 @@ def test_the_fused_training_kernels_compile_for_their_configuration(config, arch
             "kernel_resources").ptxas_resources(ptx, arch)
         assert spill_stores == spill_loads == 0
         if direction is Direction.FORWARD_EPILOGUE:
-            resident = fused.pooling.knobs.min_ctas
-            assert registers * key.threads * resident <= window_plan.REGISTER_FILE
+            warps = key.threads // 32 * fused.pooling.knobs.min_ctas
+            partition = window_plan.REGISTER_FILE // window_plan.SUB_PARTITIONS
+            assert -(-warps // window_plan.SUB_PARTITIONS) * 32 * registers <= partition
+    if direction is Direction.FORWARD_EPILOGUE:  # the bound the plan counts on
+        assert f".minnctapersm {fused.pooling.knobs.min_ctas}" in ptx
 
 
 @pytest.mark.parametrize("ratio, coff, d, dtype", [
     (4, 2, 512, "bfloat16"), (4, 2, 128, "bfloat16"), (4, 1, 512, "bfloat16"),
     (8, 2, 512, "bfloat16"), (4, 2, 1024, "bfloat16"), (4, 2, 256, "float32"),
-    (2, 1, 1024, "float16")])
+    (8, 2, 512, "float32"), (2, 1, 1024, "float16")])
 def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dtype):
     """Its CTAs an SM (its launch bound) fit the registers it is estimated at (whole warps
     of them in each of an SM's four register sub-partitions), the shared memory and the
-    threads of an SM, and one more would not; its plan gives each row to one CTA,
-    consecutively, and puts at most one wave of CTAs on the SMs until every thread of that
-    wave holds a row."""
+    threads of an SM, and one more would not fit the registers, threads or CTAs of an SM;
+    its plan gives each row to one CTA, consecutively, and puts at most one wave of CTAs on
+    the SMs until every thread of that wave holds a row."""
     from csa_ops.kernels.streaming.plan import SMEM_PER_SM
     from csa_ops.kernels.window.forward_epilogue import WindowForwardEpilogue
 
     epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
     key = host.training_forward_key(epilogue, ratio, coff)
     resident, threads = key.forward.knobs.min_ctas, epilogue.threads
-    registers = -(-window_plan.forward_epilogue_registers(key.forward) // 8) * 8
+    registers = min(window_plan.forward_epilogue_registers(key.forward), 255)
+    registers = -(-registers // 8) * 8  # a thread's registers at most, allocated by 8
 
     def fits(ctas):
         warps_a_partition = -(-ctas * threads // 32 // window_plan.SUB_PARTITIONS)

@@ -271,7 +271,7 @@ def test_gradients_match_torch_autograd_of_the_composition(config):
 
 # (config, rows' dtype, ape's dtype, weight dtype, position offsets): both coffs, every row
 # dtype (fp32: the exact softmax), ape upcast, weights of each dtype, with and without
-# offsets, a rotated row of one warp.
+# offsets, a rotated row of two warps.
 FUSED_FORWARDS = {
     "d512-bf16": (MAIN, torch.bfloat16, torch.float32, torch.float32, True),
     "d128-rot-bf16-ape": (INDEXER, torch.bfloat16, torch.bfloat16, torch.bfloat16, False),

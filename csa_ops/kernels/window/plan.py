@@ -359,6 +359,7 @@ SUB_PARTITIONS = 4
 MAX_THREADS_PER_SM = 2048  # (SM90 and SM100)
 MAX_CTAS_PER_SM = 32  # (SM90 and SM100)
 REGISTER_GRANULE = 8  # registers a thread are allocated in multiples of this
+MAX_REGISTERS = 255  # a thread's at most (the rest spills)
 
 
 def forward_epilogue_registers(key: KernelKey) -> int:
@@ -371,7 +372,8 @@ def forward_epilogue_registers(key: KernelKey) -> int:
 def forward_epilogue_residency(key: KernelKey) -> int:
     """The fused forward's CTAs an SM at forward_epilogue_registers a thread."""
     threads, granule = key.knobs.threads, REGISTER_GRANULE
-    registers = -(-forward_epilogue_registers(key) // granule) * granule
+    registers = min(forward_epilogue_registers(key), MAX_REGISTERS)
+    registers = -(-registers // granule) * granule
     warps = SUB_PARTITIONS * (REGISTER_FILE // SUB_PARTITIONS // (32 * registers))
     return max(1, min(MAX_CTAS_PER_SM, MAX_THREADS_PER_SM // threads, warps * 32 // threads))
 
@@ -381,7 +383,7 @@ def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
     """(plan, rows per CTA): consecutive rows per CTA, an equal share of them for each CTA
     that one wave holds (key.forward.knobs.min_ctas an SM), at most one per thread (a thread
     looks one up); at least one CTA."""
-    resident = num_sms * key.forward.knobs.min_ctas
+    resident = num_sms * max(1, key.forward.knobs.min_ctas)
     rows_per_cta = min(key.epilogue.threads, max(1, -(-num_rows // resident)))
     return LaunchPlan(grid=max(1, -(-num_rows // rows_per_cta))), rows_per_cta
 
