@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bench_module
+from helpers import BENCH, bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
 # One window-family shape and one streaming-family shape, both coff.
 SHAPES = "r4c2_2x64_d128,r128c1_1x256_d64"
 

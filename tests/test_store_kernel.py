@@ -283,6 +283,16 @@ FUSED_TRAINING = {Direction.FORWARD_EPILOGUE: host.training_forward_key,
                   Direction.BACKWARD_EPILOGUE: host.training_backward_key}
 
 
+def _an_sm_holds(ctas: int, threads: int, registers: int) -> bool:
+    """Whether an SM holds ``ctas`` CTAs of ``threads`` threads at ``registers`` a thread:
+    its threads, its CTAs, and each register sub-partition's share of the warps."""
+    warps_a_partition = -(-ctas * threads // 32 // window_plan.SUB_PARTITIONS)
+    return (ctas * threads <= window_plan.MAX_THREADS_PER_SM
+            and ctas <= window_plan.MAX_CTAS_PER_SM
+            and warps_a_partition * 32 * registers
+            <= window_plan.REGISTER_FILE // window_plan.SUB_PARTITIONS)
+
+
 @pytest.mark.parametrize("direction", list(FUSED_TRAINING))
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", FUSED_CONFIGS,
@@ -320,9 +330,7 @@ def test_the_fused_training_kernels_compile_for_their_configuration(config, arch
             "kernel_resources").ptxas_resources(ptx, arch)
         assert spill_stores == spill_loads == 0
         if direction is Direction.FORWARD_EPILOGUE:
-            warps = key.threads // 32 * fused.pooling.knobs.min_ctas
-            partition = window_plan.REGISTER_FILE // window_plan.SUB_PARTITIONS
-            assert -(-warps // window_plan.SUB_PARTITIONS) * 32 * registers <= partition
+            assert _an_sm_holds(fused.pooling.knobs.min_ctas, key.threads, registers)
     if direction is Direction.FORWARD_EPILOGUE:  # the bound the plan counts on
         assert f".minnctapersm {fused.pooling.knobs.min_ctas}" in ptx
 
@@ -345,15 +353,8 @@ def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dt
     resident, threads = key.forward.knobs.min_ctas, epilogue.threads
     registers = min(window_plan.forward_epilogue_registers(key.forward), 255)
     registers = -(-registers // 8) * 8  # a thread's registers at most, allocated by 8
-
-    def fits(ctas):
-        warps_a_partition = -(-ctas * threads // 32 // window_plan.SUB_PARTITIONS)
-        return (ctas * threads <= window_plan.MAX_THREADS_PER_SM
-                and ctas <= window_plan.MAX_CTAS_PER_SM
-                and warps_a_partition * 32 * registers
-                <= window_plan.REGISTER_FILE // window_plan.SUB_PARTITIONS)
-
-    assert fits(resident) and not fits(resident + 1)
+    assert _an_sm_holds(resident, threads, registers)
+    assert not _an_sm_holds(resident + 1, threads, registers)
     assert resident * WindowForwardEpilogue(key).smem_bytes() <= SMEM_PER_SM
     sms = 132
     for rows in (1, 5, 1000, 6144, 16384, sms * resident * threads, 10**6):

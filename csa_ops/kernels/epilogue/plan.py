@@ -23,7 +23,7 @@ MIN_VEC = 4  # columns per thread at least: a 4-byte store of e4m3 codes, 2 byte
 # columns a thread leaves to one warp takes two at 2 columns a thread: its kernels fused with
 # the pooling are latency-bound there. H100, bf16 r4 c2 1x8192 d128 RoPE 64, CUDA-graph
 # replay: the fused training forward 6.64 against 7.61 us at one warp, forward+backward 24.8
-# against 31.4 (the backward staged: the fused one took no one-warp CTAs).
+# against 31.4 with one warp and the backward staged.
 MIN_WARPS_UNENCODED = 2
 
 

@@ -26,7 +26,7 @@ from ..epilogue.training import RowEpilogueRowsBackward
 from ..shared import segments
 from ..shared.reduce import launch_sum_parts
 from .backward import _SUM_SPLIT, WindowBackward
-from .plan import BackwardEpilogueKey
+from .plan import BackwardEpilogueKey, backward_epilogue_part_elems
 
 
 class WindowBackwardEpilogue(WindowBackward):
@@ -35,7 +35,7 @@ class WindowBackwardEpilogue(WindowBackward):
     def __init__(self, key: BackwardEpilogueKey) -> None:
         super().__init__(key.backward)
         self.epi = self.fused_with(RowEpilogueRowsBackward(key.epilogue))
-        self.part_elems = self.E + self.D  # a CTA's grad_ape partial, then its grad_weight's
+        self.part_elems = backward_epilogue_part_elems(key)  # grad_ape's, then grad_weight's
 
     @cute.jit
     def fused_row_grads(self, p_gout, p_kv, p_score, p_cos, p_sin, p_gkv, p_gs, sApe, sAcc,

@@ -416,5 +416,10 @@ def plan_backward_epilogue(key: BackwardEpilogueKey, num_tokens: int, num_rows: 
     """The backward's grid-stride plan with a row per CTA; the workspace holds each CTA's
     grad_ape partial, then its grad_weight partial (one sum launch takes both)."""
     grid = _grid_stride(key.backward.ratio, num_tokens, num_rows, 1, 1, num_sms)
-    per_cta = (key.backward.window + 1) * key.backward.head_dim  # E, then a row
-    return LaunchPlan(grid=grid, workspace=grid * per_cta)
+    return LaunchPlan(grid=grid, workspace=grid * backward_epilogue_part_elems(key))
+
+
+def backward_epilogue_part_elems(key: BackwardEpilogueKey) -> int:
+    """A fused backward CTA's fp32 partials in the workspace: its grad_ape partial (window
+    x head_dim), then its grad_weight partial (a row)."""
+    return (key.backward.window + 1) * key.backward.head_dim
