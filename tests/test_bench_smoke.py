@@ -305,3 +305,27 @@ def test_store_bench_runs_every_variant_checked(tmp_path):
         if r["variant"] in ("store kernel", "store 2 launches", "store torch"):
             assert not r.get("error"), r
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "results.md", "results.png"}
+
+
+def test_stall_table_reads_the_source_page_of_the_first_kernel():
+    """bench/stall_table.py on an ncu source page as `ncu --csv` writes it (quoted fields,
+    thousands separators, a second kernel's page after the first): the first kernel's
+    instructions in order, its samples per tenth, its heaviest instructions; a page without
+    the stall samples is refused by name."""
+    stall_table = bench_module("stall_table")
+    header = '"# Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"'
+    body = [f'"{0x10 * i:#06x}","OP{i} R{i}, R{i}","{"1,000" if i == 7 else i}","4"'
+            for i in range(20)]
+    page = "\n".join([header, *body, header, '"0x0000","OTHER","99999","1"'])
+    found = stall_table.parse(page)
+    assert [i.sass for i in found] == [f"OP{i} R{i}, R{i}" for i in range(20)]
+    assert found[7].samples == 1000 and found[3].samples == 3
+    total = 1000 + sum(range(20)) - 7
+    shares = stall_table.tenths(found)
+    assert shares[3] == pytest.approx(100 * (6 + 1000) / total)
+    assert sum(shares) == pytest.approx(100)
+    table = stall_table.markdown(found, top=2)
+    assert "| 7 | 0x0070 | 1000 |" in table and "| 19 | 0x0130 | 19 |" in table
+    assert "| 18 |" not in table
+    with pytest.raises(ValueError, match="Warp Stall Sampling"):
+        stall_table.parse('"# Address","Source"\n"0x0","NOP"')

@@ -4,7 +4,7 @@
 # the GPU. Usage on the device machine, after the README's DSL unpack:
 #   bash tests/gpu/run_h200.sh
 # Environment:
-#   STAGES        subset of "tests sanitize overhead kernels ncu bench sbench ebench lbench"
+#   STAGES        subset of "tests sanitize overhead kernels ncu sncu bench sbench ebench lbench"
 #                 (default: the first four)
 #   CAND_DIR      a tree with candidate sources: its window-family tests run beside ours and
 #                 the kernels stage times both
@@ -13,6 +13,8 @@
 #   SWEEP_SHAPES  shapes (comma separated) whose window keys are all timed (--sweep)
 #   SWEEP_DIRS    directions of those sweeps (default "fwd,bwd")
 #   BENCH_SHAPES  bench shapes (comma separated; default the production list), BENCH_SKIP variants
+#   SNCU_CASES    bench_store.py cases (config:shape, space separated) whose warp stalls
+#                 the sncu stage tables per instruction (bench/stall_table.py)
 #   T_TESTS, T_BENCH  per-stage limits in seconds
 #   ONLY          the jobs to run, by name ("store serving-*"; default all of the stages)
 # Logs land in $OUT/logs; $OUT/summary.txt has one line per job.
@@ -101,6 +103,15 @@ fi
 if wants ncu; then
   run ncu 150 "$ROOT" ncu -k regex:kernel_cutlass --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/profile_once.py
+fi
+if wants sncu; then  # the decode step's warp stalls, instruction by instruction
+  for case in ${SNCU_CASES:-d512_r4c2_ds_mla:decode_B64 d512_r4c2_ds_mla:decode_B256}; do
+    tag=${case//:/-}
+    run "sncu-$tag" 150 "$ROOT" bash -c "ncu --profile-from-start off --set full \
+      --import-source yes -o '$OUT/$tag' -f python3 bench/profile_store.py --cases '$case' \
+      && ncu -i '$OUT/$tag.ncu-rep' --page source --csv --print-source sass > '$OUT/$tag.csv' \
+      && python3 bench/stall_table.py '$OUT/$tag.csv' --top 40"
+  done
 fi
 if wants bench; then
   run bench "${T_BENCH:-400}" "$ROOT" python3 bench/bench_compressor.py --warmup 1 --iters 5 \
