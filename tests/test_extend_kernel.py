@@ -16,7 +16,7 @@ from helpers import config_id
 
 from csa_ops import host
 from csa_ops.config import ARCHS, Direction, LaunchPlan, with_knobs
-from csa_ops.kernels import extend_plan
+from csa_ops.kernels import extend_plan, sm
 from csa_ops.kernels.streaming import plan as streaming_plan
 from csa_ops.kernels.window import plan as window_plan
 
@@ -275,9 +275,9 @@ def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
             n = narrow.knobs
             assert n.cv == max(1, k.cv // 2) or narrow == key
             smem = streaming_plan.key_smem_bytes(narrow, False)
-            fit = min(4, streaming_plan.SMEM_PER_SM // smem)
+            fit = min(4, sm.SMEM_FOR_CTAS // smem)
             assert n.ctas == max(k.ctas, fit) or narrow == key
-            assert n.ctas == k.ctas or smem * n.ctas <= streaming_plan.SMEM_PER_SM
+            assert n.ctas == k.ctas or smem * n.ctas <= sm.SMEM_FOR_CTAS
             assert dataclasses.replace(narrow, knobs=k) == key  # launch knobs only
             assert extend_plan.for_size(key, extend_plan.SizeClass.STEP) == narrow
             in_rows = with_knobs(key, deferred=False)  # extend keys compute columns in rows
@@ -289,7 +289,7 @@ def test_extend_launches_take_the_ctas_per_sm_that_shared_memory_holds():
     assert (streaming_plan.key_smem_bytes(lanes, False)
             == streaming_plan.key_smem_bytes(rows, False) + 4 * streaming_plan.MAX_ROWS)
     assert streaming_plan.key_smem_bytes(lanes, False) * lanes.knobs.ctas <= (
-        streaming_plan.SMEM_PER_SM)
+        sm.SMEM_FOR_CTAS)
     # r256 c2 d64 at one column vector, 2 CTAs per SM: a third would not fit.
     key = streaming_plan.configure(256, 2, 64, "bfloat16", "sm_90a", Direction.FORWARD, cv=1,
                                    ctas=2)

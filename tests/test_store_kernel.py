@@ -18,6 +18,7 @@ from helpers import bench_module
 import csa_ops
 from csa_ops import cache_formats, compile_cache, host, reference_epilogue
 from csa_ops.config import ARCHS, Direction
+from csa_ops.kernels import sm
 from csa_ops.kernels.epilogue import plan
 from csa_ops.kernels.window import plan as window_plan
 
@@ -286,11 +287,11 @@ FUSED_TRAINING = {Direction.FORWARD_EPILOGUE: host.training_forward_key,
 def _an_sm_holds(ctas: int, threads: int, registers: int) -> bool:
     """Whether an SM holds ``ctas`` CTAs of ``threads`` threads at ``registers`` a thread:
     its threads, its CTAs, and each register sub-partition's share of the warps."""
-    warps_a_partition = -(-ctas * threads // 32 // window_plan.SUB_PARTITIONS)
-    return (ctas * threads <= window_plan.MAX_THREADS_PER_SM
-            and ctas <= window_plan.MAX_CTAS_PER_SM
+    warps_a_partition = -(-ctas * threads // 32 // sm.SUB_PARTITIONS)
+    return (ctas * threads <= sm.MAX_THREADS
+            and ctas <= sm.MAX_CTAS
             and warps_a_partition * 32 * registers
-            <= window_plan.REGISTER_FILE // window_plan.SUB_PARTITIONS)
+            <= sm.REGISTER_FILE // sm.SUB_PARTITIONS)
 
 
 @pytest.mark.parametrize("direction", list(FUSED_TRAINING))
@@ -345,7 +346,6 @@ def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dt
     threads of an SM, and one more would not fit the registers, threads or CTAs of an SM;
     its plan gives each row to one CTA, consecutively, and puts at most one wave of CTAs on
     the SMs until every thread of that wave holds a row."""
-    from csa_ops.kernels.streaming.plan import SMEM_PER_SM
     from csa_ops.kernels.window.forward_epilogue import WindowForwardEpilogue
 
     epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
@@ -355,7 +355,7 @@ def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dt
     registers = -(-registers // 8) * 8  # a thread's registers at most, allocated by 8
     assert _an_sm_holds(resident, threads, registers)
     assert not _an_sm_holds(resident + 1, threads, registers)
-    assert resident * WindowForwardEpilogue(key).smem_bytes() <= SMEM_PER_SM
+    assert resident * WindowForwardEpilogue(key).smem_bytes() <= sm.SMEM_FOR_CTAS
     sms = 132
     for rows in (1, 5, 1000, 6144, 16384, sms * resident * threads, 10**6):
         launch, rows_per_cta = window_plan.plan_forward_epilogue(key, rows, sms)

@@ -19,12 +19,12 @@ from ...config import (
     widest_vec,
     with_knobs,
 )
+from .. import sm
 from ..calls import SizeClass, check_lanes
 from ..shared import torch_order
 
 MAX_ROWS = 256  # rows one CTA owns: its row table lives in shared memory
 MAX_KT = 4  # window entries per lane: kt * vec fp32 exponentials + grad_ape sums in registers
-SMEM_PER_SM = 227 * 1024
 EXTEND_WAVES = 4  # extend CTAs per column block: this many waves of the forward's CTA slots
 FWD_FAST_EXP = True  # forward exp via ex2.approx: within one output rounding step
 # Failing columns per column vector of a CTA whose window the deferred row loop saves for
@@ -101,7 +101,7 @@ def configure(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
     parity = Parity.UNCERTIFIED if certify else Parity.NEVER
     while stages is None:
         fits = [s for s in (4, 3, 2)
-                if _smem_bytes(eb, vec, cv, wpc, kt, backward, s, parity) * ctas <= SMEM_PER_SM]
+                if _smem_bytes(eb, vec, cv, wpc, kt, backward, s, parity) * ctas <= sm.SMEM_FOR_CTAS]
         if fits or ctas == 1:
             stages = fits[0] if fits else 2
         else:
@@ -144,7 +144,7 @@ def supports(key: KernelKey) -> bool:
     if k.deferred and not k.parity:  # nothing to defer
         return False
     smem = max(key_smem_bytes(key, backward) for backward in (False, True))
-    return smem <= SMEM_PER_SM
+    return smem <= sm.SMEM_FOR_CTAS
 
 
 def enumerate_keys(ratio: int, coff: int, head_dim: int, dtype: str, arch: str,
@@ -283,7 +283,7 @@ def narrow(key: KernelKey) -> KernelKey:
     key = with_knobs(key, deferred=False)  # an extend key's (extend_key)
     k = key.knobs
     narrower = with_knobs(key, cv=max(1, k.cv // 2))
-    fit = min(4, SMEM_PER_SM // key_smem_bytes(narrower, False))
+    fit = min(4, sm.SMEM_FOR_CTAS // key_smem_bytes(narrower, False))
     narrower = with_knobs(narrower, ctas=max(k.ctas, fit))
     return narrower if supports(narrower) else key
 

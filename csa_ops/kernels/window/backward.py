@@ -11,6 +11,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
+from .. import sm
 from ..shared import common as cm
 from ..shared import segments
 from ..shared.reduce import launch_sum_parts
@@ -21,9 +22,9 @@ from .rows import WindowKernel
 # SM. A kernel light enough for more would let the block scheduler stack CTAs on the SMs
 # that free up first (under PDL, while the previous grid drains) and leave others short, and
 # the busiest SM sets the time (H200, r2 c2 d512: 93 us against 80 us without PDL). Shared
-# memory just over 1/(CTAS_PER_SM + 1) of an SM (228 KiB on SM90 and SM100, 1 KiB of it
-# reserved per CTA) caps residency at CTAS_PER_SM.
-_BALANCED_SMEM = 228 * 1024 // (CTAS_PER_SM + 1) + 1024
+# memory just over 1/(CTAS_PER_SM + 1) of an SM (with each CTA's reserve) caps residency at
+# CTAS_PER_SM.
+_BALANCED_SMEM = sm.SMEM_PER_SM // (CTAS_PER_SM + 1) + sm.RESERVED_SMEM_PER_CTA
 _SUM_SPLIT = 32  # grad_ape sum: warps per CTA, each summing every 32nd CTA partial
 
 

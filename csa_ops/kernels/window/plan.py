@@ -19,6 +19,7 @@ from ...config import (
     widest_vec,
     with_knobs,
 )
+from .. import sm
 from ..calls import SizeClass, check_lanes, from_forward
 from ..epilogue.plan import EpilogueKey
 
@@ -352,15 +353,6 @@ def forward_epilogue_key(key: KernelKey, epilogue: EpilogueKey) -> ForwardEpilog
 # four CTAs instead of three at d512 spills (128 registers, 24 bytes; 47.6 us), and the next
 # row's window through a cp.async ring in shared memory instead of registers (128
 # registers, four CTAs) ran 48.1 us.
-REGISTER_FILE = 64 * 1024  # 32-bit registers an SM (SM90 and SM100)
-# An SM's registers are four sub-partitions', each holding its warps' registers: a warp's
-# registers come from one, so an SM holds 4 * (registers a sub-partition // a warp's) warps.
-SUB_PARTITIONS = 4
-MAX_THREADS_PER_SM = 2048  # (SM90 and SM100)
-MAX_CTAS_PER_SM = 32  # (SM90 and SM100)
-REGISTER_GRANULE = 8  # registers a thread are allocated in multiples of this
-MAX_REGISTERS = 255  # a thread's at most (the rest spills)
-
 
 def forward_epilogue_registers(key: KernelKey) -> int:
     """The fused forward's registers a thread, estimated from its window elements (42 plus
@@ -371,11 +363,11 @@ def forward_epilogue_registers(key: KernelKey) -> int:
 
 def forward_epilogue_residency(key: KernelKey) -> int:
     """The fused forward's CTAs an SM at forward_epilogue_registers a thread."""
-    threads, granule = key.knobs.threads, REGISTER_GRANULE
-    registers = min(forward_epilogue_registers(key), MAX_REGISTERS)
+    threads, granule = key.knobs.threads, sm.REGISTER_GRANULE
+    registers = min(forward_epilogue_registers(key), sm.MAX_REGISTERS)
     registers = -(-registers // granule) * granule
-    warps = SUB_PARTITIONS * (REGISTER_FILE // SUB_PARTITIONS // (32 * registers))
-    return max(1, min(MAX_CTAS_PER_SM, MAX_THREADS_PER_SM // threads, warps * 32 // threads))
+    warps = sm.SUB_PARTITIONS * (sm.REGISTER_FILE // sm.SUB_PARTITIONS // (32 * registers))
+    return max(1, min(sm.MAX_CTAS, sm.MAX_THREADS // threads, warps * 32 // threads))
 
 
 def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
