@@ -351,8 +351,8 @@ def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dt
     epilogue = plan.configure(dtype, "float32", d, 64, False, "none", 1e-6, "sm_90a")
     key = host.training_forward_key(epilogue, ratio, coff)
     resident, threads = key.forward.knobs.min_ctas, epilogue.threads
-    registers = min(window_plan.forward_epilogue_registers(key.forward), 255)
-    registers = -(-registers // 8) * 8  # a thread's registers at most, allocated by 8
+    registers = min(window_plan.forward_epilogue_registers(key.forward), sm.MAX_REGISTERS)
+    registers = -(-registers // sm.REGISTER_GRANULE) * sm.REGISTER_GRANULE  # as allocated
     assert _an_sm_holds(resident, threads, registers)
     assert not _an_sm_holds(resident + 1, threads, registers)
     assert resident * WindowForwardEpilogue(key).smem_bytes() <= sm.SMEM_FOR_CTAS
