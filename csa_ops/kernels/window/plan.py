@@ -409,9 +409,10 @@ def plan_backward_epilogue(key: BackwardEpilogueKey, num_tokens: int, num_rows: 
     grad_ape partial, then its grad_weight partial (one sum launch takes both).
 
     CTAS_PER_SM CTAs an SM even where the registers allow more: each CTA adds a partial to
-    write and sum and stages ape again. H100, bf16 r4 c2 1x8192 d128 RoPE 64 (ten 64-thread
-    CTAs fit an SM), forward+backward, CUDA-graph replay: 24.8 / 28.8 / 31.7 / 37.0 us at
-    4 / 8 / 10 / 20 CTAs an SM."""
+    write and sum and stages ape again; fewer leave latency uncovered. H100, bf16 r4 c2 RoPE
+    64, forward+backward, CUDA-graph replay, at 2 / 3 / 4 / 8 / 10 / 20 CTAs an SM: 1x8192
+    d128 (ten 64-thread CTAs fit an SM) 34.4 / 29.8 / 24.7 / 28.8 / 31.7 / 37.0 us; 3x8192
+    d512 (four fit) 221.7 / 174.1 / 156.6 us at 2 / 3 / 4."""
     grid = _grid_stride(key.backward.ratio, num_tokens, num_rows, 1, 1, num_sms)
     return LaunchPlan(grid=grid, workspace=grid * backward_epilogue_part_elems(key))
 

@@ -104,13 +104,19 @@ class WindowKernel(Geometry):
             return k * self.D
         return (k % self.R) * (2 * self.D) + (k // self.R) * self.D
 
+    def window_offsets(self, t0, cv):
+        """(entry k, element offset, needs_prev) of each entry of row t0's window in the
+        thread's column vector cv (trace-time: the entries are unrolled). needs_prev: the
+        entry is of block b-1, which a segment's first block has not."""
+        base = Int64(t0) * (self.C * self.D) + cv * self.V
+        for k in range(self.W):
+            tok, col, _, needs_prev = self.entries[k]
+            yield k, cute.assume(base + (tok * self.C * self.D + col), divby=self.V), needs_prev
+
     @cute.jit
     def load_window(self, p_kv, p_score, rKV, rS, t0, first, cv):
         # Entries of block b-1 of a first block read nothing: value 0 (the reference's).
-        base = Int64(t0) * (self.C * self.D) + cv * self.V
-        for k in cutlass.range_constexpr(self.W):
-            tok, col, _, needs_prev = self.entries[k]
-            off = cute.assume(base + (tok * self.C * self.D + col), divby=self.V)
+        for k, off, needs_prev in self.window_offsets(t0, cv):
             if cutlass.const_expr(needs_prev):
                 if first:
                     for i in cutlass.range_constexpr(self.V):
@@ -142,10 +148,7 @@ class WindowKernel(Geometry):
 
     @cute.jit
     def store_window(self, p_dst, rD, t0, first, cv):
-        base = Int64(t0) * (self.C * self.D) + cv * self.V
-        for k in cutlass.range_constexpr(self.W):
-            tok, col, _, needs_prev = self.entries[k]
-            off = cute.assume(base + (tok * self.C * self.D + col), divby=self.V)
+        for k, off, needs_prev in self.window_offsets(t0, cv):
             dst = cute.make_tensor(p_dst + off, self.V)
             if cutlass.const_expr(needs_prev):
                 if not first:
