@@ -107,8 +107,11 @@ fi
 if wants sncu; then  # the decode step's warp stalls, instruction by instruction
   for case in ${SNCU_CASES:-d512_r4c2_ds_mla:decode_B64 d512_r4c2_ds_mla:decode_B256}; do
     tag=${case//:/-}
+    # Sampling every 32 cycles: a decode step's few microseconds give the default
+    # interval only a few hundred samples.
     run "sncu-$tag" 150 "$ROOT" bash -c "ncu --profile-from-start off --set full \
-      --import-source yes -o '$OUT/$tag' -f python3 bench/profile_store.py --cases '$case' \
+      --warp-sampling-interval 0 --import-source yes -o '$OUT/$tag' -f \
+      python3 bench/profile_store.py --cases '$case' \
       && ncu -i '$OUT/$tag.ncu-rep' --page source --csv --print-source sass > '$OUT/$tag.csv' \
       && python3 bench/stall_table.py '$OUT/$tag.csv' --top 40"
   done
