@@ -100,10 +100,10 @@ class CompileCache:
                     f"graph capture is active, where JIT is not allowed. Make a csa_ops."
                     f"{entry}(...) call for its epilogue (or the same call once eagerly) "
                     f"before capturing.")
-            if direction is Direction.EXTEND_STORE:  # an ExtendStoreKey
-                x, e = key.extend, key.epilogue
+            if direction in (Direction.EXTEND_STORE, Direction.ROWS_STORE):
+                x, e = key.pooling, key.epilogue  # an ExtendStoreKey, a RowsStoreKey
                 raise RuntimeError(
-                    f"csa_ops: the fused decode-step kernel for {key} is not compiled and a "
+                    f"csa_ops: the fused store kernel for {key} is not compiled and a "
                     f"CUDA graph capture is active, where JIT is not allowed. Call csa_ops."
                     f"precompile_store({x.head_dim}, {e.cache_format!r}, {e.rope_dim}, "
                     f"{e.rotate}, {e.eps}, torch.{e.dtype}, torch.{e.weight_dtype}, "

@@ -31,6 +31,9 @@ class Direction(str, enum.Enum):
     # csa::compressor_extend_store's decode step in one kernel (an ExtendStoreKey): the
     # extend kernel's state update and rows, each row through the store's epilogue.
     EXTEND_STORE = "exst"
+    # ... and a split call's second launch (a RowsStoreKey), beside the first (an
+    # ExtendStoreKey of its head rows): its other rows, each through the store's epilogue.
+    ROWS_STORE = "rost"
     # csa::compressor_epilogue's forward in one kernel (a ForwardEpilogueKey): the forward
     # kernel's rows, each through the training epilogue where it is pooled.
     FORWARD_EPILOGUE = "fepi"

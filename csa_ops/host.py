@@ -222,6 +222,8 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
         step = decode_step_key(key, ratio, coff)
         if step is not None:
             KERNELS.get(Direction.EXTEND_STORE, step)
+        for direction, split_key in zip(SPLIT_STORE, prefill_store_keys(key, ratio, coff)):
+            KERNELS.get(direction, split_key)
     return key
 
 
@@ -233,6 +235,22 @@ def decode_step_key(epilogue, ratio: int | None, coff: int | None):
         return None
     return window_plan.extend_store_key(extend_plan.for_size(forward, extend_plan.SizeClass.STEP),
                                         epilogue)
+
+
+# The directions of a split csa::compressor_extend_store call's two fused launches.
+SPLIT_STORE = (Direction.EXTEND_STORE, Direction.ROWS_STORE)
+
+
+def prefill_store_keys(epilogue, ratio: int | None, coff: int | None) -> tuple:
+    """The two fused keys of a prefill (a split call of few requests: size class FEW_LARGE)
+    of an epilogue key's configuration at ``ratio`` and ``coff``; () where there are none,
+    or no ratio is given."""
+    forward = _forward_of(epilogue, ratio, coff)
+    if forward is None or not extend_plan.supports(forward):
+        return ()
+    keys = window_plan.split_store_keys(
+        extend_plan.for_size(forward, extend_plan.SizeClass.FEW_LARGE), epilogue)
+    return keys or ()
 
 
 def training_backward_key(epilogue, ratio: int | None, coff: int | None):

@@ -34,6 +34,17 @@ class Arg(enum.Enum):
     CACHE = "cache"
 
 
+# csa::compressor_extend_store's fused kernels.
+_STORE_CALL = (
+    ("kv", Arg.DATA), ("score", Arg.DATA), ("ape", Arg.F32), ("cu", Arg.IDX),
+    ("start_pos", Arg.IDX), ("slots", Arg.IDX), ("kv_state", Arg.DATA),
+    ("score_state", Arg.F32), ("cuc", Arg.IDX), ("norm_weight", Arg.WEIGHT),
+    ("cos", Arg.F32), ("sin", Arg.F32), ("block_table", Arg.IDX), ("cache", Arg.CACHE),
+    ("num_tokens", Arg.I32), ("num_rows", Arg.I32), ("num_requests", Arg.I32),
+    ("num_slots", Arg.I32), ("table_rows", Arg.I32), ("table_width", Arg.I32),
+    ("num_pages", Arg.I32), ("page_size", Arg.I32), ("page_bytes", Arg.I32),
+    ("grid", Arg.I32))
+
 ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
     Direction.FORWARD: (
         ("kv", Arg.DATA), ("score", Arg.DATA), ("ape", Arg.F32), ("cu", Arg.IDX),
@@ -58,15 +69,10 @@ ARGUMENTS: dict[Direction, tuple[tuple[str, Arg], ...]] = {
         ("table_rows", Arg.I32), ("table_width", Arg.I32), ("num_pages", Arg.I32),
         ("page_size", Arg.I32), ("page_bytes", Arg.I32), ("ratio", Arg.I32),
         ("grid", Arg.I32)),
-    Direction.EXTEND_STORE: (
-        ("kv", Arg.DATA), ("score", Arg.DATA), ("ape", Arg.F32), ("cu", Arg.IDX),
-        ("start_pos", Arg.IDX), ("slots", Arg.IDX), ("kv_state", Arg.DATA),
-        ("score_state", Arg.F32), ("cuc", Arg.IDX), ("norm_weight", Arg.WEIGHT),
-        ("cos", Arg.F32), ("sin", Arg.F32), ("block_table", Arg.IDX), ("cache", Arg.CACHE),
-        ("num_tokens", Arg.I32), ("num_rows", Arg.I32), ("num_requests", Arg.I32),
-        ("num_slots", Arg.I32), ("table_rows", Arg.I32), ("table_width", Arg.I32),
-        ("num_pages", Arg.I32), ("page_size", Arg.I32), ("page_bytes", Arg.I32),
-        ("grid", Arg.I32)),
+    Direction.EXTEND_STORE: _STORE_CALL,
+    # A split call's rows launch, beside its first (an EXTEND_STORE kernel): one call's
+    # launches take one argument list.
+    Direction.ROWS_STORE: _STORE_CALL,
     Direction.FORWARD_EPILOGUE: (
         ("kv", Arg.DATA), ("score", Arg.DATA), ("ape", Arg.F32), ("cu", Arg.IDX),
         ("cuc", Arg.IDX), ("norm_weight", Arg.WEIGHT), ("cos", Arg.F32), ("sin", Arg.F32),

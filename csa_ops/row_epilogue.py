@@ -121,11 +121,13 @@ def _key(rows, norm_weight, eps: float, rope_dim: int, rotate: bool, cache_forma
 
 def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of, constants_of,
               device_index: int, *, live: str = "rows", to_float=(), restore=(),
-              workspace_of=None, compiled_only=False):
+              workspace_of=None, compiled_only=False, launched=None):
     """The memo's call for ``signature``, prepared on first use from ``key_of(host)``,
     ``constants_of(key)`` and ``workspace_of(key)`` (fp32 scratch elements, none by
-    default); ``_NOT_TAKEN`` where the kernel does not take it. With ``compiled_only``:
-    None (nothing remembered) while the key's kernel is not compiled, as within a capture,
+    default); ``_NOT_TAKEN`` where the kernel does not take it. ``launched(key)``: the
+    (direction, key) of each launch of the call, in order (by default one, ``direction``'s
+    kernel of ``key``), all with ``direction``'s arguments. With ``compiled_only``: None
+    (nothing remembered) while a launch's kernel is not compiled, as within a capture,
     which forbids compiling."""
     call = _PREPARED.get(signature)
     if call is not None:
@@ -134,10 +136,12 @@ def _prepared(signature, direction: Direction, inputs, outputs, in_place, key_of
     key = key_of(host)
     if key is None:
         return _PREPARED.remember(signature, _NOT_TAKEN)
-    if compiled_only and not host.KERNELS.ready(direction, key):
+    parts = tuple(launched(key)) if launched else ((direction, key),)
+    if compiled_only and not all(host.KERNELS.ready(*part) for part in parts):
         return None
-    spec = CallSpec(direction=direction, key=key, inputs=inputs, outputs=outputs,
-                    launches=(Launch(host.KERNELS.get(direction, key), constants_of(key)),),
+    spec = CallSpec(direction=direction, key=parts[0][1], inputs=inputs, outputs=outputs,
+                    launches=tuple(Launch(host.KERNELS.get(*part), constants_of(part[1]))
+                                   for part in parts),
                     workspace=workspace_of(key) if workspace_of else 0, to_float=to_float,
                     restore=restore, in_place=in_place, live=live)
     return _PREPARED.remember(signature, python_call(spec, current_stream_handle, device_index,
@@ -199,12 +203,13 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
                         norm_weight, eps: float, cos, sin, rope_dim: int, rotate: bool,
                         cache_format: str, cache, block_table, page_size: int, ratio: int,
                         coff: int, num_rows: int):
-    """csa::compressor_extend_store's whole decode step in one launch (the register-window
-    family's fused kernel, kernels/window/extend_store.py): the state updated in place, the
-    rows its requests complete through the epilogue into ``cache``; returns
-    cu_seqlens_comp, or None where that kernel does not take the call (nothing launched:
-    the extend and store kernels run it). ``num_rows``: the call's row capacity, which
-    cu_seqlens_comp[-1] must not pass (serving_store's bound)."""
+    """csa::compressor_extend_store's whole call by the register-window family's fused
+    kernels: a decode step in one launch (kernels/window/extend_store.py), a prefill of few
+    requests in two (its head rows and states, then its other rows: rows_store.py). The
+    state is updated in place, the rows the requests complete go through the epilogue into
+    ``cache``; returns cu_seqlens_comp, or None where no fused kernel takes the call
+    (nothing launched: the extend and store kernels run it). ``num_rows``: the call's row
+    capacity, which cu_seqlens_comp[-1] must not pass (serving_store's bound)."""
     if not (STATE.store_kernel and STATE.fused_store_step and kv.is_cuda
             and start_pos.shape[0] and _cache_taken(cache, cache_format)
             and kv_state.is_contiguous() and score_state.is_contiguous()
@@ -217,32 +222,42 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
                                    rotate, cache_format, page_size, ratio, coff, num_rows)
 
     def constants(key):
+        if isinstance(key, window_plan.RowsStoreKey):
+            sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
+            grid = window_plan.plan_row_share(key, num_rows, sms)[0].grid
+        else:
+            grid = window_plan.plan_extend_store(key, num_requests).grid
         return {"num_tokens": kv.shape[0], "num_rows": num_rows, "num_requests": num_requests,
-                "num_slots": kv_state.shape[0],
-                "grid": window_plan.plan_extend_store(key, num_requests).grid,
+                "num_slots": kv_state.shape[0], "grid": grid,
                 **_cache_constants(cos, block_table, cache, cache_format, page_size)}
 
-    # Not compiled (a capture forbids compiling): None, so the two launches run the step.
+    # Not compiled (a capture forbids compiling): None, so the extend and store kernels run
+    # the call.
     call = _prepared(
         signature, Direction.EXTEND_STORE, _STEP_INPUTS, {"cuc": ("cu", None)},
         ("kv_state", "score_state", "cache"),
-        lambda host: _step_key(kv, num_requests, norm_weight, eps, rope_dim, rotate,
-                               cache_format, ratio, coff, host),
-        constants, kv.device.index or 0, live="ape", to_float=("ape",), compiled_only=True)
+        lambda host: _fused_store_keys(kv, num_requests, norm_weight, eps, rope_dim, rotate,
+                                       cache_format, ratio, coff, host),
+        constants, kv.device.index or 0, live="ape", to_float=("ape",), compiled_only=True,
+        launched=lambda keys: zip((Direction.EXTEND_STORE, Direction.ROWS_STORE), keys))
     return None if call is None else call(*tensors)
 
 
-def _step_key(kv, num_requests: int, norm_weight, eps: float, rope_dim: int, rotate: bool,
-              cache_format: str, ratio: int, coff: int, host):
-    """The fused decode step's key of a call, None where its extend kernel does not pool
-    each request's rows in the request's item (a call of one token per request does) or
-    the fused kernel cannot hold the epilogue."""
+def _fused_store_keys(kv, num_requests: int, norm_weight, eps: float, rope_dim: int,
+                      rotate: bool, cache_format: str, ratio: int, coff: int, host):
+    """The fused keys of a call's launches: a decode step's one, whose extend kernel pools
+    each request's rows in the request's item (a call of one token per request does), or a
+    prefill's two, whose extend kernel is a split call placing its rows by lanes; None
+    where the call is neither or the fused kernels cannot hold the epilogue."""
     problem = host.extend_problem(kv, ratio, coff, num_requests)
     if problem is None:
         return None
     epilogue = host.epilogue_key(kv.dtype, norm_weight.dtype, kv.shape[1] // coff, rope_dim,
                                  rotate, cache_format, eps, problem.key.arch)
-    return None if epilogue is None else window_plan.extend_store_key(problem.key, epilogue)
+    if epilogue is None:
+        return None
+    step = window_plan.extend_store_key(problem.key, epilogue)
+    return (step,) if step is not None else window_plan.split_store_keys(problem.key, epilogue)
 
 
 def takes_fused_forward(kv) -> bool:
@@ -281,7 +296,7 @@ def launch_forward_epilogue(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio: 
 
     def constants(key):
         sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
-        plan, rows_per_cta = window_plan.plan_forward_epilogue(key, total_comp, sms)
+        plan, rows_per_cta = window_plan.plan_row_share(key, total_comp, sms)
         return {"num_tokens": kv.shape[0], "num_rows": total_comp,
                 "num_segs": cu_seqlens.shape[0] - 1, "table_rows": max(cos.shape[0], 1),
                 "rows_per_cta": rows_per_cta, "grid": plan.grid}

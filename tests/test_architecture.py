@@ -130,7 +130,8 @@ def test_no_module_over_the_size_budget(name, path):
     assert len(path.read_text().splitlines()) <= 800, name
 
 
-FUSED = {Direction.EXTEND_STORE, Direction.FORWARD_EPILOGUE, Direction.BACKWARD_EPILOGUE}
+FUSED = {Direction.EXTEND_STORE, Direction.ROWS_STORE, Direction.FORWARD_EPILOGUE,
+         Direction.BACKWARD_EPILOGUE}
 
 
 def test_every_family_implements_the_contract():
@@ -141,8 +142,8 @@ def test_every_family_implements_the_contract():
             assert callable(getattr(plan, function, None)), (name, function)
         assert set(KERNELS[name]) - FUSED == {
             Direction.FORWARD, Direction.BACKWARD, Direction.EXTEND}
-    # The register-window family's decode step with the store's epilogue in one kernel, and
-    # the training forward and backward with their epilogue.
+    # The register-window family's decode step with the store's epilogue in one kernel, a
+    # prefill's two, and the training forward and backward with their epilogue.
     assert FUSED <= set(KERNELS["window"])
     # The row epilogue: the store's kernel and the training forward's.
     assert set(KERNELS) - set(FAMILIES) == {"epilogue"}

@@ -268,6 +268,86 @@ def test_the_decode_step_key_holds_its_two_keys_together():
         ExtendStoreKey(with_knobs(step.extend, request_rows=False), epilogue)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", DECODE_STEPS,
+                         ids=["-".join(map(str, (r, c, f, d))) for r, c, f, _, _, d, _, _ in
+                              DECODE_STEPS])
+def test_the_prefill_kernels_compile_for_their_configuration(config, arch):
+    """A prefill of few requests: the decode step's kernel for the head rows and states,
+    then the rows launch, in the epilogue's CTA, pooling with the forward key's bits, the
+    rows launch starting beside the first (no wait before its loads) and within the
+    registers of the CTAs an SM its plan fills."""
+    ratio, coff, fmt, dtype, weight, d, rope, rotate = config
+    key = csa_ops.precompile_store(d, fmt, rope, rotate, 1e-6, dtype, weight, arch=arch,
+                                   ratio=ratio, coff=coff)
+    heads, rows = host.prefill_store_keys(key, ratio, coff)
+    forward = host.select_key(ratio, coff, d, str(dtype)[6:], arch, Direction.FORWARD)
+    for fused in (heads, rows):
+        assert fused.epilogue == key and fused.arch == arch
+        assert (fused.pooling.knobs.vec, fused.pooling.knobs.threads) == (key.vec, key.threads)
+        assert fused.pooling.knobs.fast_exp == forward.knobs.fast_exp
+    assert heads.head_rows_only and not heads.extend.knobs.request_rows
+    assert rows.rows.knobs.lane_requests
+    head_ptx = compile_cache.ptx(Direction.EXTEND_STORE, heads)
+    rows_ptx = compile_cache.ptx(Direction.ROWS_STORE, rows)
+    for ptx in (head_ptx, rows_ptx):
+        assert "ld.local" not in ptx and "st.local" not in ptx
+        assert "sqrt.approx" not in ptx and "rsqrt" not in ptx
+    assert head_ptx.count("sqrt.rn.f32") == coff  # the head rows only
+    assert head_ptx.index("griddepcontrol.wait") < head_ptx.index("ld.global")
+    assert rows_ptx.count("sqrt.rn.f32") == 1
+    # Its only wait is its last CTA's, at its end.
+    assert rows_ptx.count("griddepcontrol.wait") == 1
+    assert rows_ptx.index("griddepcontrol.wait") > rows_ptx.rindex("ld.global")
+    assert f".minnctapersm {rows.rows.knobs.min_ctas}" in rows_ptx
+    if shutil.which("ptxas"):
+        (_, registers, _, spill_stores, spill_loads), *_ = bench_module(
+            "kernel_resources").ptxas_resources(rows_ptx, arch)
+        assert spill_stores == spill_loads == 0
+        assert _an_sm_holds(rows.rows.knobs.min_ctas, key.threads, registers)
+
+
+def test_the_prefill_keys_hold_their_two_keys_together():
+    from csa_ops.config import Part, with_knobs
+    from csa_ops.kernels import extend_plan
+    from csa_ops.kernels.window.plan import RowsStoreKey
+
+    epilogue = plan.configure("bfloat16", "float32", 512, 64, False, "fp8_ds_mla", 1e-6,
+                              "sm_90a")
+    heads, rows = host.prefill_store_keys(epilogue, 4, 2)
+    with pytest.raises(ValueError, match="row items placed by lanes"):
+        RowsStoreKey(with_knobs(rows.rows, lane_requests=False), epilogue)
+    with pytest.raises(ValueError, match="row items placed by lanes"):
+        RowsStoreKey(with_knobs(rows.rows, part=Part.REQUESTS), epilogue)
+    with pytest.raises(ValueError, match="in the epilogue's CTA"):
+        RowsStoreKey(with_knobs(rows.rows, vec=2, threads=256), epilogue)
+    # Only a split call by lanes has them: not a split call of more requests, not a step.
+    forward = host.select_key(4, 2, 512, "bfloat16", "sm_90a", Direction.FORWARD)
+    for size in (extend_plan.SizeClass.LARGE, extend_plan.SizeClass.STEP,
+                 extend_plan.SizeClass.DECODE_SIZED):
+        assert window_plan.split_store_keys(extend_plan.for_size(forward, size),
+                                            epilogue) is None
+    assert host.prefill_store_keys(epilogue, None, None) == ()
+    # What one CTA cannot hold: ape's window-32 rows past the fused shared memory.
+    assert host.prefill_store_keys(epilogue, 16, 2) == ()
+
+
+@pytest.mark.parametrize("rows, sms", [(2051, 132), (2051, 78), (7, 132), (100000, 132)])
+def test_the_rows_launch_covers_every_row_once(rows, sms):
+    """The kernel takes ceil(rows / grid) consecutive rows a CTA: together every row, none
+    twice, at most one a thread, and one wave of the CTAs an SM its bound keeps where a
+    thread's row each fills it."""
+    epilogue = plan.configure("bfloat16", "float32", 512, 64, False, "fp8_ds_mla", 1e-6,
+                              "sm_90a")
+    _, key = host.prefill_store_keys(epilogue, 4, 2)
+    grid = window_plan.plan_row_share(key, rows, sms)[0].grid
+    share = -(-rows // grid)
+    assert share <= epilogue.threads
+    assert grid <= max(sms * key.rows.knobs.min_ctas, -(-rows // epilogue.threads))
+    covered = [n for cta in range(grid) for n in range(cta * share, min((cta + 1) * share, rows))]
+    assert covered == list(range(rows))
+
+
 # csa::compressor_epilogue's forward and backward in one kernel each
 # (kernels/window/forward_epilogue.py, backward_epilogue.py): (ratio, coff, dtype, weight
 # dtype, head_dim, rope_dim, rotate, position_offset), rows of two to four warps, both
@@ -358,7 +438,7 @@ def test_the_fused_forward_plans_one_wave_of_what_an_sm_holds(ratio, coff, d, dt
     assert resident * WindowForwardEpilogue(key).smem_bytes() <= sm.SMEM_FOR_CTAS
     sms = 132
     for rows in (1, 5, 1000, 6144, 16384, sms * resident * threads, 10**6):
-        launch, rows_per_cta = window_plan.plan_forward_epilogue(key, rows, sms)
+        launch, rows_per_cta = window_plan.plan_row_share(key, rows, sms)
         assert 1 <= rows_per_cta <= threads
         assert (launch.grid - 1) * rows_per_cta < rows <= launch.grid * rows_per_cta
         if rows <= sms * resident * threads:

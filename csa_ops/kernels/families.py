@@ -71,6 +71,8 @@ KERNELS = {
                Direction.EXTEND: "extend:WindowExtend",
                # csa::compressor_extend_store's decode step (an ExtendStoreKey)
                Direction.EXTEND_STORE: "extend_store:WindowExtendStore",
+               # ... and a split call's rows (a RowsStoreKey) beside its head rows
+               Direction.ROWS_STORE: "rows_store:WindowRowsStore",
                # csa::compressor_epilogue's forward and backward (a ForwardEpilogueKey, a
                # BackwardEpilogueKey)
                Direction.FORWARD_EPILOGUE: "forward_epilogue:WindowForwardEpilogue",

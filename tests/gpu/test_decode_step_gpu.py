@@ -61,8 +61,10 @@ class Step:
     """One call's inputs: random state, tokens and positions, a block table with entries out
     of range and a cache of random bytes (so any write shows)."""
 
-    def __init__(self, case: Case, lengths, seed: int):
+    def __init__(self, case: Case, lengths, seed: int, page_size: int = PAGE_SIZE,
+                 width: int = TABLE_WIDTH, table_rows: int = TABLE_ROWS):
         gen = torch.Generator().manual_seed(seed)
+        self.page_size = page_size
         r, c, d = case.ratio, case.coff, case.head_dim
         batch = len(lengths)
         self.case = case
@@ -81,7 +83,6 @@ class Step:
         starts = torch.randint(0, 24 * r, (batch,), generator=gen)
         starts[::2] = starts[::2] // r * r + r - 1
         slots = torch.randperm(self.num_slots, generator=gen)[:batch].to(torch.int32)
-        width = TABLE_WIDTH
         num_pages = batch * width
         table = torch.randperm(num_pages + 4, generator=gen)[:batch * width]
         table = table.view(batch, width).to(torch.int32)
@@ -89,7 +90,7 @@ class Step:
             starts[1] = 0  # its first block
             starts[3] = -4  # invalid: writes nothing
             slots[5] = self.num_slots  # invalid
-            starts[7] = (PAGE_SIZE * width + 1) * r - 1  # a row past the table's width
+            starts[7] = (page_size * width + 1) * r - 1  # a row past the table's width
             table[0, :] = -1
             table[2, :] = num_pages + 1  # past the cache
         self.start_pos = starts.to(torch.int32)
@@ -98,14 +99,14 @@ class Step:
                                dtype=torch.int32)
         self.block_table = table
         self.norm_weight = (1 + 0.25 * torch.randn(d, generator=gen)).to(case.weight_dtype)
-        angles = torch.arange(TABLE_ROWS, dtype=torch.float64)[:, None] * 10000.0 ** (
+        angles = torch.arange(table_rows, dtype=torch.float64)[:, None] * 10000.0 ** (
             -torch.arange(0, max(case.rope_dim, 2), 2, dtype=torch.float64)
             / max(case.rope_dim, 2))
         half = case.rope_dim // 2
-        rows = TABLE_ROWS if half else 0
+        rows = table_rows if half else 0
         self.cos = torch.cos(angles)[:rows, :half].float().contiguous()
         self.sin = torch.sin(angles)[:rows, :half].float().contiguous()
-        cache = serving_store.new_cache(num_pages, PAGE_SIZE, d, case.cache_format, case.dtype)
+        cache = serving_store.new_cache(num_pages, page_size, d, case.cache_format, case.dtype)
         fill = torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8)
         self.cache = fill if case.cache_format != "none" else fill.to(case.dtype) - 100
 
@@ -117,7 +118,7 @@ class Step:
             self.score_state, self.norm_weight)]
         return [*on, 1e-6, self.cos.to(DEVICE), self.sin.to(DEVICE), c.rope_dim, c.rotate,
                 c.cache_format, self.cache.to(DEVICE, copy=True), self.block_table.to(DEVICE),
-                PAGE_SIZE, c.ratio, c.coff]
+                self.page_size, c.ratio, c.coff]
 
 
 def fused(args) -> torch.Tensor | None:

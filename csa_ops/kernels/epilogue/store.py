@@ -230,10 +230,17 @@ class RowEpilogueStore(RowEpilogue):
         q % page_size of page block_table[i, q // page_size], written when that entry is in
         range. Loads only in bounds; its offsets are ready before the row is (encode's
         arguments), so no division waits for the epilogue."""
+        self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
+        return self.page_target(p_table, i, q, table_width, num_pages, page_size, page_bytes)
+
+    @cute.jit
+    def page_target(self, p_table, i, q: Int64, table_width: Int32, num_pages: Int32,
+                    page_size: Int32, page_bytes: Int32):
+        """(writes, data offset, scale offset) of compressed row q of valid request i
+        (row_target's, without the angles)."""
         writes = Boolean(False)
         data = Int64(0)
         scale = Int64(0)
-        self.load_angles(angles, p_cos, p_sin, q * Int64(ratio), table_rows, tid)
         column = q // Int64(page_size)
         if column < Int64(table_width):
             page = cute.make_tensor(p_table + Int64(i) * Int64(table_width) + column, 1)[0]

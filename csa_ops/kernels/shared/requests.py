@@ -49,6 +49,12 @@ def head_rows(rows, coff: int):
     return cutlass.min(rows, Int32(coff))
 
 
+def block_token(q, start, tok0, ratio: int):
+    """The new token that begins block q of a request whose new tokens start at position
+    `start` (token tok0)."""
+    return tok0 + (q * ratio - start)
+
+
 @cute.jit
 def request_of(cu, starts, slots, b, num_tokens, num_slots):
     """(ok, first token, start, length, slot) of request b: ok as the module docstring says
@@ -218,8 +224,8 @@ class Batch:
 
     @cute.jit
     def lane_of_row(self, n, held):
-        """(found, first row, ok, first token, start, rows) of the request whose rows hold
-        output row n, from hold_in_lanes' values `held` (shuffles only; every lane takes
+        """(found, first row, ok, first token, start, rows, request) of the request whose
+        rows hold output row n, from hold_in_lanes' values `held` (shuffles only; every lane takes
         part, each with its own n). A binary search finds the last lane whose rows start at
         or before n; found checks that its rows hold n (they do not where n lies past the
         batch's rows)."""
@@ -229,7 +235,8 @@ class Batch:
         rows_b = cute.arch.shuffle_sync(rows, lane)
         found = Int64(first) <= Int64(n) and Int64(n) < Int64(first) + Int64(rows_b)
         return (found, first, cute.arch.shuffle_sync(Int32(ok), lane) != 0,
-                cute.arch.shuffle_sync(tok0, lane), cute.arch.shuffle_sync(start, lane), rows_b)
+                cute.arch.shuffle_sync(tok0, lane), cute.arch.shuffle_sync(start, lane), rows_b,
+                lane)
 
     @cute.jit
     def row_sums(self, cu, starts, num_reqs, limit, tid, sWarp, held):

@@ -367,9 +367,7 @@ class WindowExtend(WindowKernel):
         return Int32(cutlass.min(lo, hi)), Int32(hi)
 
     def block_token(self, q, start, tok0):
-        """The new token that begins block q of a request whose new tokens start at
-        position `start` (token tok0)."""
-        return tok0 + (q * self.R - start)
+        return requests.block_token(q, start, tok0, self.R)
 
     def is_head_row(self, h, rows):
         return h < requests.head_rows(rows, self.C)
@@ -595,7 +593,7 @@ class WindowExtend(WindowKernel):
                 cuc[lane] = rows_before
             if lane == 0:
                 cm.store_row_total(cuc, num_reqs, total, num_rows)
-        found, base, ok_b, tok_b, start_b, rows_b = self.batch.lane_of_row(n, held)
+        found, base, ok_b, tok_b, start_b, rows_b, _ = self.batch.lane_of_row(n, held)
         active = tid < self.threads and (not self.ragged_cols or cv < self.tpr) and n < num_rows
         rKV = cute.make_rmem_tensor((self.V, self.W), self.dtype)
         rS = cute.make_rmem_tensor((self.V, self.W), self.dtype)

@@ -1,6 +1,8 @@
 """csa::compressor_extend_store's decode step in one launch (register-window family): a CTA
 per request updates its state, pools the rows its new tokens complete as the extend kernel
-does, and takes each row straight through the row epilogue into the paged cache.
+does, and takes each row straight through the row epilogue into the paged cache. A split
+call of few requests (a prefill) launches it for its requests' head rows (the rows that read
+the state) and states only, beside rows_store.py's launch for the rest.
 
 Apart, the step is two launches: the extend kernel writes packed rows, and the store kernel
 (kernels/epilogue/store.py) waits for that whole grid before it reads them back. Here the
@@ -32,6 +34,7 @@ class WindowExtendStore(WindowExtend):
 
     def __init__(self, key: ExtendStoreKey) -> None:
         super().__init__(key.extend)
+        self.head_rows_only = key.head_rows_only
         self.epi = self.fused_with(RowEpilogueStore(key.epilogue))
         # A CTA sums the batch's rows alone: as many requests per round trip as the store
         # kernel's narrow CTAs load.
@@ -123,14 +126,28 @@ class WindowExtendStore(WindowExtend):
             else:
                 self.update_state(p_kv, p_score, p_kvs, p_ss, sApe, tok0, start,
                                   start + length, slot, tid, tid)
-            # Rows past the head rows read new tokens only (after the update: no state read).
-            for h in cutlass.range(self.C, rows, unroll=1):
-                q = q0 + h
-                place = self.target(p_table, p_cos, p_sin, angles, item, q, table_rows,
-                                    table_width, num_pages, page_size, page_bytes, tid)
-                rO = self.new_token_row(p_kv, p_score, sApe, q, self.block_token(q, start, tok0),
-                                        tid, tid)
-                self.emit(rO, place, rWeight, angles, sRow, p_cache, tid)
+            # Rows past the head rows read new tokens only (after the update: no state
+            # read); a split call's rows launch (rows_store.py) takes them.
+            if cutlass.const_expr(not self.head_rows_only):
+                self.store_later_rows(p_kv, p_score, sApe, p_table, p_cos, p_sin, angles,
+                                      rWeight, sRow, p_cache, item, rows, start, tok0,
+                                      table_rows, table_width, num_pages, page_size,
+                                      page_bytes, tid)
+
+    @cute.jit
+    def store_later_rows(self, p_kv, p_score, sApe, p_table, p_cos, p_sin, angles, rWeight,
+                         sRow, p_cache, item, rows, start, tok0, table_rows: Int32,
+                         table_width: Int32, num_pages: Int32, page_size: Int32,
+                         page_bytes: Int32, tid: Int32):
+        """A request's rows past its head rows into the cache, one after another."""
+        q0 = start // self.R
+        for h in cutlass.range(self.C, rows, unroll=1):
+            q = q0 + h
+            place = self.target(p_table, p_cos, p_sin, angles, item, q, table_rows,
+                                table_width, num_pages, page_size, page_bytes, tid)
+            rO = self.new_token_row(p_kv, p_score, sApe, q, self.block_token(q, start, tok0),
+                                    tid, tid)
+            self.emit(rO, place, rWeight, angles, sRow, p_cache, tid)
 
     @cute.jit
     def target(self, p_table, p_cos, p_sin, angles, item, q, table_rows: Int32,

@@ -11,7 +11,7 @@ DRAM, no second grid and no wait between them. The pooling is the forward kernel
 (its key's softmax: the same bits) and the epilogue the training kernel's, so the output
 is the two launches' bytes.
 
-A CTA takes `rows_per_cta` consecutive rows (plan.plan_forward_epilogue: one wave of the
+A CTA takes `rows_per_cta` consecutive rows (plan.plan_row_share: one wave of the
 CTAs an SM its launch bound, min_ctas, keeps resident), so ape is staged and the weight
 loaded once for all of them: its threads look the rows up at once, a thread a row, and each
 row's window and angles are loaded while the row before it is pooled and finished. Every
@@ -30,7 +30,7 @@ from .forward import WindowForward
 from .plan import ForwardEpilogueKey
 
 
-class _Flag:
+class RowFlag:
     """Bits of a looked-up row's flags word."""
 
     POOLED = 1  # its window exists (segments.row_window's valid)
@@ -40,10 +40,11 @@ class _Flag:
 
 class WindowForwardEpilogue(WindowForward):
     whole_rows = True  # Geometry: the CTA's threads span a whole row
+    epilogue_kernel = RowEpilogueRows  # what a pooled row goes through
 
     def __init__(self, key: ForwardEpilogueKey) -> None:
-        super().__init__(key.forward)
-        self.epi = self.fused_with(RowEpilogueRows(key.epilogue))
+        super().__init__(key.pooling)
+        self.epi = self.fused_with(self.epilogue_kernel(key.epilogue))
 
     def smem_bytes(self) -> int:
         # ape's rows, the row's buffer, then the looked-up rows' first tokens, flags and
@@ -62,9 +63,9 @@ class WindowForwardEpilogue(WindowForward):
         """Issues the loads of a looked-up row's window (where it has one) and angles (where
         it is kept)."""
         rKV, rS, rCos, rSin = operands
-        if (flags & _Flag.POOLED) != 0:
-            self.load_window(p_kv, p_score, rKV, rS, t0, (flags & _Flag.FIRST) != 0, tid)
-        if (flags & _Flag.KEPT) != 0:
+        if (flags & RowFlag.POOLED) != 0:
+            self.load_window(p_kv, p_score, rKV, rS, t0, (flags & RowFlag.FIRST) != 0, tid)
+        if (flags & RowFlag.KEPT) != 0:
             self.epi.load_angles((rCos, rSin), p_cos, p_sin, position, table_rows, tid)
 
     @cute.jit
@@ -94,8 +95,8 @@ class WindowForwardEpilogue(WindowForward):
             kept, position = self.epi.place(row, cuc, p_offset, n, num_segs, self.R)
             sToken[tid] = t0
             sPosition[tid] = position
-            sFlags[tid] = (Int32(pooled) * _Flag.POOLED + Int32(first) * _Flag.FIRST
-                           + Int32(kept) * _Flag.KEPT)
+            sFlags[tid] = (Int32(pooled) * RowFlag.POOLED + Int32(first) * RowFlag.FIRST
+                           + Int32(kept) * RowFlag.KEPT)
         rWeight = self.epi.load_weight(p_weight, tid)
         self.stage_ape(p_ape, sApe, 0, tid)  # its barrier publishes the lookups too
         current, upcoming = self.row_operands(), self.row_operands()
@@ -109,10 +110,10 @@ class WindowForwardEpilogue(WindowForward):
                            sToken[j + 1], sPosition[j + 1], table_rows, tid)
             flags = sFlags[j]  # the same for every thread of the CTA
             rKV, rS, rCos, rSin = current
-            rO = self.pooled(rKV, rS, sApe, tid, (flags & _Flag.POOLED) != 0,
-                             (flags & _Flag.FIRST) != 0)
+            rO = self.pooled(rKV, rS, sApe, tid, (flags & RowFlag.POOLED) != 0,
+                             (flags & RowFlag.FIRST) != 0)
             rX = self.epi.strided(rO, sRow, tid)
-            kept = (flags & _Flag.KEPT) != 0
+            kept = (flags & RowFlag.KEPT) != 0
             if kept:
                 self.epi.finish_row(rX, rWeight, (rCos, rSin), sRow, tid)
             self.epi.store_row(p_out, n, rX, kept, tid)

@@ -278,9 +278,11 @@ def _epilogue_cta(key: KernelKey, epilogue: EpilogueKey, smem_rows: int) -> Kern
 
 @dataclasses.dataclass(frozen=True)
 class ExtendStoreKey(_FusedKey):
-    """The decode step's fused kernel: the extend key it pools and updates the state with
-    (a request's item pools its rows; whole rows per CTA) and the epilogue key of what
-    follows. Both keys' dtype and arch agree."""
+    """A fused kernel of csa::compressor_extend_store with a request per CTA: the extend
+    key it pools and updates the state with (whole rows per CTA) and the epilogue key of
+    what follows. A decode step's extend key pools all of a request's rows in its item
+    (request_rows); a split call's first part (part REQUESTS) only the rows that read the
+    state, its second launch (RowsStoreKey) the rest."""
 
     extend: KernelKey
     epilogue: EpilogueKey
@@ -289,9 +291,14 @@ class ExtendStoreKey(_FusedKey):
 
     def __post_init__(self) -> None:
         self.check_keys()
-        if not self.extend.knobs.request_rows:
+        if self.extend.knobs.request_rows == (self.extend.knobs.part == Part.REQUESTS):
             raise ValueError(f"ExtendStoreKey: the extend key must pool its requests' rows "
-                             f"in the epilogue's CTA, got {self.extend.knobs!r}")
+                             f"in the epilogue's CTA (request_rows), or their head rows "
+                             f"(part REQUESTS), got {self.extend.knobs!r}")
+
+    @property
+    def head_rows_only(self) -> bool:
+        return self.extend.knobs.part == Part.REQUESTS
 
 
 def extend_store_key(key: KernelKey, epilogue: EpilogueKey) -> ExtendStoreKey | None:
@@ -307,6 +314,42 @@ def extend_store_key(key: KernelKey, epilogue: EpilogueKey) -> ExtendStoreKey | 
 def plan_extend_store(key: ExtendStoreKey, num_requests: int) -> LaunchPlan:
     """A CTA per request (at least one: it writes cu_seqlens_comp)."""
     return LaunchPlan(grid=max(1, num_requests))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsStoreKey(_FusedKey):
+    """A split csa::compressor_extend_store call's second launch (rows_store.py): the row
+    items of the extend key (part ROWS, the batch in a warp's lanes) pooled in the
+    epilogue's CTA, consecutive rows per CTA, each through the epilogue into the cache."""
+
+    rows: KernelKey
+    epilogue: EpilogueKey
+
+    pooling_field = "rows"
+
+    def __post_init__(self) -> None:
+        self.check_keys()
+        knobs = self.rows.knobs
+        if knobs.part != Part.ROWS or not knobs.lane_requests:
+            raise ValueError(f"RowsStoreKey: the extend key must be a split call's row "
+                             f"items placed by lanes, got {knobs!r}")
+
+
+def split_store_keys(key: KernelKey,
+                     epilogue: EpilogueKey) -> tuple[ExtendStoreKey, RowsStoreKey] | None:
+    """The two fused launches of a split call of few requests (extend_key's, size class
+    FEW_LARGE: row items placed by lanes) whose epilogue is `epilogue`: the requests' head
+    rows and states, then the other rows, each in the epilogue's CTA; None where one CTA
+    cannot be both (_epilogue_cta) or the call is not such a split."""
+    if key.family != "window" or key.knobs.part != Part.REQUESTS or not key.knobs.lane_requests:
+        return None
+    heads = _epilogue_cta(with_knobs(key, lane_requests=False), epilogue, key.window + 1)
+    rows = _epilogue_cta(with_knobs(key, part=Part.ROWS), epilogue, key.window + 1)
+    if heads is None or rows is None:
+        return None
+    rows = with_knobs(rows, min_ctas=forward_epilogue_residency(rows))
+    return ExtendStoreKey(heads, epilogue), RowsStoreKey(rows, epilogue)
+
 
 
 class _TrainingKey(_FusedKey):
@@ -370,12 +413,12 @@ def forward_epilogue_residency(key: KernelKey) -> int:
     return max(1, min(sm.MAX_CTAS, sm.MAX_THREADS // threads, warps * 32 // threads))
 
 
-def plan_forward_epilogue(key: ForwardEpilogueKey, num_rows: int,
-                          num_sms: int) -> tuple[LaunchPlan, int]:
-    """(plan, rows per CTA): consecutive rows per CTA, an equal share of them for each CTA
-    that one wave holds (key.forward.knobs.min_ctas an SM), at most one per thread (a thread
-    looks one up); at least one CTA."""
-    resident = num_sms * max(1, key.forward.knobs.min_ctas)
+def plan_row_share(key: ForwardEpilogueKey | RowsStoreKey, num_rows: int,
+                   num_sms: int) -> tuple[LaunchPlan, int]:
+    """(plan, rows per CTA) of a fused kernel of consecutive rows per CTA: an equal share of
+    them for each CTA that one wave holds (its pooling key's min_ctas an SM), at most one
+    per thread (a thread looks one up); at least one CTA."""
+    resident = num_sms * max(1, key.pooling.knobs.min_ctas)
     rows_per_cta = min(key.epilogue.threads, max(1, -(-num_rows // resident)))
     return LaunchPlan(grid=max(1, -(-num_rows // rows_per_cta))), rows_per_cta
 

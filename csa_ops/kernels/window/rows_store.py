@@ -1,0 +1,138 @@
+"""The second launch of a split csa::compressor_extend_store call of few requests (a
+prefill; register-window family): the rows past each request's head rows, pooled where the
+epilogue's CTA runs and taken straight through the row epilogue into the paged cache.
+
+Apart, a prefill is the extend kernel's two launches (the requests' items, the row items),
+which write packed rows, and the store kernel (kernels/epilogue/store.py), which waits for
+both before it reads them back and spends most of its time finding each row's request and
+page again. Here the first launch is the decode step's kernel for the head rows and states
+only (extend_store.py, head_rows_only), and this one pools every other row as the extend
+kernel's row items do (the forward's softmax: the same bits) and finishes and encodes it as
+the store kernel does, so the cache holds the three launches' bytes. Its rows read only new
+tokens and it writes only their cache rows, none of which the first launch reads or writes,
+so it starts without waiting for that launch (PDL), as the extend kernel's row items do.
+
+A CTA takes ceil(rows / CTAs) consecutive rows (plan.plan_row_share: one wave of the CTAs
+an SM its launch bound keeps resident). Each warp holds the batch in its lanes (at most 32
+requests), so its threads look the CTA's rows up at once, a thread a row, by shuffles: the
+request, the block, the window's first token and the cache row. Each row's window and
+angles are loaded while the row before it is pooled and finished. Every branch around a
+barrier depends on the row only, the same for all threads.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import Float32, Int32, Int64, cute
+from cutlass.memory import SmemAllocator
+
+from ..epilogue.store import RowEpilogueStore
+from ..shared import common as cm
+from ..shared import requests
+from .forward_epilogue import RowFlag, WindowForwardEpilogue
+from .plan import RowsStoreKey
+
+
+class WindowRowsStore(WindowForwardEpilogue):
+    epilogue_kernel = RowEpilogueStore
+
+    def __init__(self, key: RowsStoreKey) -> None:
+        super().__init__(key)
+        self.batch = requests.Batch(self.R, self.threads)
+
+    def smem_bytes(self) -> int:
+        # ape's rows, the row's buffer, then the looked-up rows' cache offsets (two int64),
+        # positions (int64), first tokens and flags (int32), a thread's row each.
+        return (self.W * self.D + self.D) * 4 + 32 * self.threads + 64
+
+    @cute.jit
+    def look_up(self, held, p_table, n: Int32, end: Int32, table_width: Int32,
+                num_pages: Int32, page_size: Int32, page_bytes: Int32, sToken, sPosition,
+                sData, sScale, sFlags, tid: Int32):
+        """Row n (this thread's) into the CTA's lookups where n < end: flags POOLED and KEPT
+        where a valid request's rows hold it past their head rows and its cache row is in
+        range (store.py's judgement), else none. Every lane takes part (shuffles)."""
+        found, first_row, ok, tok0, start, rows, request = self.batch.lane_of_row(n, held)
+        if n < end:
+            flags = Int32(0)
+            h = n - first_row
+            if found and ok and h >= requests.head_rows(rows, self.C):
+                q = Int64(start // self.R + h)
+                writes, data, scale = self.epi.page_target(p_table, request, q, table_width,
+                                                           num_pages, page_size, page_bytes)
+                if writes:
+                    # Past its head rows a row is never its sequence's first block: no FIRST.
+                    flags = Int32(RowFlag.POOLED | RowFlag.KEPT)
+                    sToken[tid] = requests.block_token(Int32(q), start, tok0, self.R)
+                    sPosition[tid] = q * Int64(self.R)
+                    sData[tid] = data
+                    sScale[tid] = scale
+            sFlags[tid] = flags
+
+    @cute.kernel
+    def kernel(self, p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_cuc,
+               p_weight, p_cos, p_sin, p_table, p_cache, num_tokens: Int32, num_rows: Int32,
+               num_reqs: Int32, num_slots: Int32, table_rows: Int32, table_width: Int32,
+               num_pages: Int32, page_size: Int32, page_bytes: Int32):
+        # Reads only the call's inputs and writes only its own cache rows: it starts once
+        # every CTA of the first launch has passed its wait (the grids before the call are
+        # complete), and ends after that launch (complete_after_upstream).
+        cm.release_dependents(self.pdl)
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        smem = SmemAllocator()
+        sApe = smem.allocate_tensor(Float32, self.ape_layout(), 16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout(self.D), 16)
+        sData = smem.allocate_tensor(Int64, cute.make_layout(self.threads), 8)
+        sScale = smem.allocate_tensor(Int64, cute.make_layout(self.threads), 8)
+        sPosition = smem.allocate_tensor(Int64, cute.make_layout(self.threads), 8)
+        sToken = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
+        sFlags = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
+        rows_per_cta = (num_rows + grid - 1) // grid
+        begin = cta * rows_per_cta
+        end = cutlass.min(begin + rows_per_cta, num_rows)
+        cu = cute.make_tensor(p_cu, num_reqs + 1)
+        starts = cute.make_tensor(p_starts, num_reqs)
+        slots = cute.make_tensor(p_slots, num_reqs)
+        held = self.batch.hold_in_lanes(cu, starts, slots, num_reqs, num_tokens, num_slots,
+                                        tid % 32)
+        self.look_up(held, p_table, begin + tid, end, table_width, num_pages, page_size,
+                     page_bytes, sToken, sPosition, sData, sScale, sFlags, tid)
+        rWeight = self.epi.load_weight(p_weight, tid)
+        self.stage_ape(p_ape, sApe, 0, tid)  # its barrier publishes the lookups too
+        current, upcoming = self.row_operands(), self.row_operands()
+        if begin < end:
+            self.fetch(current, p_kv, p_score, p_cos, p_sin, sFlags[0], sToken[0],
+                       sPosition[0], table_rows, tid)
+        for n in cutlass.range(begin, end, unroll=1):
+            j = n - begin
+            if n + 1 < end:
+                self.fetch(upcoming, p_kv, p_score, p_cos, p_sin, sFlags[j + 1],
+                           sToken[j + 1], sPosition[j + 1], table_rows, tid)
+            if (sFlags[j] & RowFlag.POOLED) != 0:  # the same for every thread of the CTA
+                rKV, rS, rCos, rSin = current
+                rO = self.pooled(rKV, rS, sApe, tid, True, cutlass.Boolean(False))
+                rX = self.epi.strided(rO, sRow, tid)
+                self.epi.finish_and_store(rX, rWeight, (rCos, rSin), sRow, p_cache, sData[j],
+                                          sScale[j], tid)
+                cute.arch.sync_threads()  # the encoding has read sRow before the next row
+            self.move(upcoming, current)
+        cm.complete_after_upstream(self.pdl, cta)
+
+    @cute.jit
+    def __call__(self, p_kv: cute.Pointer, p_score: cute.Pointer, p_ape: cute.Pointer,
+                 p_cu: cute.Pointer, p_starts: cute.Pointer, p_slots: cute.Pointer,
+                 p_kvs: cute.Pointer, p_ss: cute.Pointer, p_cuc: cute.Pointer,
+                 p_weight: cute.Pointer, p_cos: cute.Pointer, p_sin: cute.Pointer,
+                 p_table: cute.Pointer, p_cache: cute.Pointer, num_tokens: Int32,
+                 num_rows: Int32, num_reqs: Int32, num_slots: Int32, table_rows: Int32,
+                 table_width: Int32, num_pages: Int32, page_size: Int32, page_bytes: Int32,
+                 grid: Int32, stream: cuda.CUstream):
+        self.kernel(p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_cuc, p_weight,
+                    p_cos, p_sin, p_table, p_cache, num_tokens, num_rows, num_reqs, num_slots,
+                    table_rows, table_width, num_pages, page_size, page_bytes).launch(
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), smem=self.smem_bytes(),
+            stream=stream, use_pdl=self.pdl, min_blocks_per_mp=self.min_ctas,
+            preferred_smem_carveout=100)

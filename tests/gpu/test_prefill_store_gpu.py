@@ -1,0 +1,90 @@
+"""csa::compressor_extend_store's prefill of few requests in two fused launches (the head rows
+and states: kernels/window/extend_store.py; the other rows: kernels/window/rows_store.py) on
+CUDA, against the same call as the extend kernel's launches followed by the store kernel
+(which tests/gpu/test_store_kernel_gpu.py holds to the torch route): cu_seqlens_comp, both
+state tensors and the whole cache bitwise, for every format, each row dtype, ratios 2 to 8
+at both coffs; with requests that continue a sequence and requests that start one, empty and
+one-token requests, invalid requests, block-table entries out of range (negative, past the
+cache, past the table's width, for some of a request's rows only) and rows past the RoPE
+tables. What the fused launches do not take (more requests than a warp's lanes), they
+decline before writing anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal
+from test_decode_step_gpu import CASES, DEVICE, STORE, Step, assert_same_step, fused
+
+import csa_ops
+from csa_ops import row_epilogue
+from csa_ops.kernels import extend_plan
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Ten requests, 3,157 new tokens: a split call placing its rows by lanes (FEW_LARGE).
+LENGTHS = [1201, 0, 377, 640, 2, 1, 513, 290, 33, 100]
+PAGE_SIZE = 16
+WIDTH = 36  # pages per request: request 0's last rows at ratio 2 lie past the table's width
+TABLE_ROWS = 1024  # RoPE positions: the longest requests' last rows sit past them
+
+
+def prefill(case, lengths=LENGTHS, seed=0) -> Step:
+    return Step(case, lengths, seed, page_size=PAGE_SIZE, width=WIDTH, table_rows=TABLE_ROWS)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_a_prefill_in_two_fused_launches_stores_what_three_launches_store(case):
+    assert extend_plan.size_class(sum(LENGTHS), len(LENGTHS)) == extend_plan.SizeClass.FEW_LARGE
+    step = prefill(case, seed=CASES.index(case))
+    got = step.args()
+    got_cuc = fused(got)
+    assert got_cuc is not None, "the fused kernels did not take the call"
+    want = step.args()
+    with row_epilogue.two_launch_step():
+        want_cuc = STORE(*want)
+    assert_same_step(got, got_cuc, want, want_cuc)
+    assert not torch.equal(got[15].cpu(), step.cache), "nothing was stored"
+
+
+@pytest.mark.parametrize("batch, taken", [(32, True), (33, False)])
+def test_a_warp_of_requests_at_most(batch, taken):
+    """32 requests fill a warp's lanes; 33 are no split call by lanes: declined, nothing
+    written (the extend and store kernels run it)."""
+    lengths = [3200 // batch] * batch
+    step = prefill(CASES[0], lengths, seed=batch)
+    got = step.args()
+    before = [got[i].clone() for i in (6, 7, 15)]
+    got_cuc = fused(got)
+    if not taken:
+        assert got_cuc is None
+        for name, i, b in zip(("kv_state", "score_state", "cache"), (6, 7, 15), before):
+            assert_bitwise_equal(got[i], b, name)
+        return
+    want = step.args()
+    with row_epilogue.two_launch_step():
+        want_cuc = STORE(*want)
+    assert_same_step(got, got_cuc, want, want_cuc)
+
+
+def test_a_captured_prefill_replays_the_fused_bytes():
+    """precompile_store with the configuration builds both fused kernels, so a capture takes
+    them; a replay stores what the eager call stores."""
+    case = CASES[1]
+    csa_ops.precompile_store(case.head_dim, case.cache_format, case.rope_dim, case.rotate,
+                             1e-6, case.dtype, case.weight_dtype, ratio=case.ratio,
+                             coff=case.coff)
+    csa_ops.precompile_extend(case.ratio, case.head_dim, case.coff, case.dtype)
+    step = prefill(case, seed=5)
+    eager = step.args()
+    eager_cuc = STORE(*eager)
+    replayed = step.args()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_cuc = STORE(*replayed)
+    for i, t in ((6, step.kv_state), (7, step.score_state), (15, step.cache)):
+        replayed[i].copy_(t.to(DEVICE))  # the capture ran nothing; as before the call
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_step(replayed, graph_cuc, eager, eager_cuc)
