@@ -5,9 +5,11 @@
 
 Per config and shape (bf16, fp32 norm weight, RoPE 64, page_size 64), in one run: ``extend``
 (csa::compressor_extend alone, the baseline), ``store kernel`` (the op: on CUDA a decode
-step's one kernel where it takes the call, else the extend kernel then the row-epilogue
-kernel), ``store 2 launches`` (the op with decode steps as two launches too), ``store
-torch`` (the op under row_epilogue.torch_route()), ``store compiled`` (torch.compile of the extend then serving_store.epilogue_store; fullgraph=True,
+step's one kernel or a prefill's two fused launches where they take the call, else the
+extend kernel then the row-epilogue kernel), ``store 2 launches`` (the op as the extend
+kernel then the store kernel for every call), ``store torch`` (the op under
+row_epilogue.torch_route()), ``store compiled`` (torch.compile of the extend then
+serving_store.epilogue_store; fullgraph=True,
 else False, recorded; an error is recorded), each as wall time of back-to-back eager calls
 and on CUDA as CUDA-graph replay (bench_serving.time_step); and ``DRAM floor``: the store's
 bytes (store_bytes) at the measured copy bandwidth, and at the H200's nominal 4.8 TB/s.

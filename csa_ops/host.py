@@ -213,7 +213,8 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
                      ratio: int | None = None, coff: int | None = None):
     """Compile (or load) csa::compressor_extend_store's row-epilogue kernel of one epilogue;
     weight_dtype None means float32; the rest as in precompile. With ``ratio`` and ``coff``
-    also the decode step's fused kernel of that configuration, where one takes it. Returns
+    also the fused kernels of that configuration, where they take it: the decode step's,
+    and each split call's two (prefill_store_keys). Returns
     the epilogue's key, or None where that epilogue runs as torch ops."""
     key = _epilogue_target("precompile_store", head_dim, cache_format, rope_dim, rotate, eps,
                            dtype, weight_dtype, arch, False)
@@ -222,8 +223,10 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
         step = decode_step_key(key, ratio, coff)
         if step is not None:
             KERNELS.get(Direction.EXTEND_STORE, step)
-        for direction, split_key in zip(SPLIT_STORE, prefill_store_keys(key, ratio, coff)):
-            KERNELS.get(direction, split_key)
+        for size in (extend_plan.SizeClass.FEW_LARGE, extend_plan.SizeClass.LARGE):
+            for direction, split_key in zip(SPLIT_STORE,
+                                            prefill_store_keys(key, ratio, coff, size)):
+                KERNELS.get(direction, split_key)
     return key
 
 
@@ -241,16 +244,16 @@ def decode_step_key(epilogue, ratio: int | None, coff: int | None):
 SPLIT_STORE = (Direction.EXTEND_STORE, Direction.ROWS_STORE)
 
 
-def prefill_store_keys(epilogue, ratio: int | None, coff: int | None) -> tuple:
-    """The two fused keys of a prefill (a split call of few requests: size class FEW_LARGE)
-    of an epilogue key's configuration at ``ratio`` and ``coff``; () where there are none,
-    or no ratio is given."""
+def prefill_store_keys(epilogue, ratio: int | None, coff: int | None,
+                       size=extend_plan.SizeClass.FEW_LARGE) -> tuple:
+    """The two fused keys of a split call of size class ``size`` (FEW_LARGE: a prefill of
+    few requests, its rows placed by lanes; LARGE: any other split call) of an epilogue
+    key's configuration at ``ratio`` and ``coff``; () where there are none, or no ratio is
+    given."""
     forward = _forward_of(epilogue, ratio, coff)
     if forward is None or not extend_plan.supports(forward):
         return ()
-    keys = window_plan.split_store_keys(
-        extend_plan.for_size(forward, extend_plan.SizeClass.FEW_LARGE), epilogue)
-    return keys or ()
+    return window_plan.split_store_keys(extend_plan.for_size(forward, size), epilogue) or ()
 
 
 def training_backward_key(epilogue, ratio: int | None, coff: int | None):

@@ -75,8 +75,9 @@ def _switched(flag: str, on: bool = False):
 
 
 def two_launch_step():
-    """Within: csa::compressor_extend_store's decode steps run as the extend kernel, then
-    the store kernel (the fused kernel's reference, and the benchmarks' baseline)."""
+    """Within: csa::compressor_extend_store runs as the extend kernel, then the store kernel,
+    decode steps and prefills too (the fused kernels' reference, and the benchmarks'
+    baseline)."""
     return _switched("fused_store_step")
 
 

@@ -19,6 +19,7 @@ import csa_ops
 from csa_ops import cache_formats, compile_cache, host, reference_epilogue
 from csa_ops.config import ARCHS, Direction
 from csa_ops.kernels import sm
+from csa_ops.kernels.calls import SizeClass
 from csa_ops.kernels.epilogue import plan
 from csa_ops.kernels.window import plan as window_plan
 
@@ -268,26 +269,29 @@ def test_the_decode_step_key_holds_its_two_keys_together():
         ExtendStoreKey(with_knobs(step.extend, request_rows=False), epilogue)
 
 
+@pytest.mark.parametrize("size", [SizeClass.FEW_LARGE, SizeClass.LARGE],
+                         ids=["lanes", "scan"])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("config", DECODE_STEPS,
                          ids=["-".join(map(str, (r, c, f, d))) for r, c, f, _, _, d, _, _ in
                               DECODE_STEPS])
-def test_the_prefill_kernels_compile_for_their_configuration(config, arch):
-    """A prefill of few requests: the decode step's kernel for the head rows and states,
-    then the rows launch, in the epilogue's CTA, pooling with the forward key's bits, the
-    rows launch starting beside the first (no wait before its loads) and within the
-    registers of the CTAs an SM its plan fills."""
+def test_the_prefill_kernels_compile_for_their_configuration(config, arch, size):
+    """A split call: the decode step's kernel for the head rows and states, then the rows
+    launch (its rows' requests by lanes or by a scan), in the epilogue's CTA, pooling with
+    the forward key's bits, the rows launch starting beside the first (no wait before its
+    loads) and within the registers of the CTAs an SM its plan fills."""
     ratio, coff, fmt, dtype, weight, d, rope, rotate = config
     key = csa_ops.precompile_store(d, fmt, rope, rotate, 1e-6, dtype, weight, arch=arch,
                                    ratio=ratio, coff=coff)
-    heads, rows = host.prefill_store_keys(key, ratio, coff)
+    heads, rows = host.prefill_store_keys(key, ratio, coff, size)
     forward = host.select_key(ratio, coff, d, str(dtype)[6:], arch, Direction.FORWARD)
     for fused in (heads, rows):
         assert fused.epilogue == key and fused.arch == arch
         assert (fused.pooling.knobs.vec, fused.pooling.knobs.threads) == (key.vec, key.threads)
         assert fused.pooling.knobs.fast_exp == forward.knobs.fast_exp
     assert heads.head_rows_only and not heads.extend.knobs.request_rows
-    assert rows.rows.knobs.lane_requests
+    assert heads == host.prefill_store_keys(key, ratio, coff, SizeClass.LARGE)[0]
+    assert rows.rows.knobs.lane_requests == (size == SizeClass.FEW_LARGE)
     head_ptx = compile_cache.ptx(Direction.EXTEND_STORE, heads)
     rows_ptx = compile_cache.ptx(Direction.ROWS_STORE, rows)
     for ptx in (head_ptx, rows_ptx):
@@ -310,21 +314,20 @@ def test_the_prefill_kernels_compile_for_their_configuration(config, arch):
 def test_the_prefill_keys_hold_their_two_keys_together():
     from csa_ops.config import Part, with_knobs
     from csa_ops.kernels import extend_plan
-    from csa_ops.kernels.window.plan import RowsStoreKey
+    from csa_ops.kernels.window.plan import ExtendStoreKey, RowsStoreKey
 
     epilogue = plan.configure("bfloat16", "float32", 512, 64, False, "fp8_ds_mla", 1e-6,
                               "sm_90a")
     heads, rows = host.prefill_store_keys(epilogue, 4, 2)
-    with pytest.raises(ValueError, match="row items placed by lanes"):
-        RowsStoreKey(with_knobs(rows.rows, lane_requests=False), epilogue)
-    with pytest.raises(ValueError, match="row items placed by lanes"):
+    with pytest.raises(ValueError, match="split call's row items"):
         RowsStoreKey(with_knobs(rows.rows, part=Part.REQUESTS), epilogue)
     with pytest.raises(ValueError, match="in the epilogue's CTA"):
         RowsStoreKey(with_knobs(rows.rows, vec=2, threads=256), epilogue)
-    # Only a split call by lanes has them: not a split call of more requests, not a step.
+    with pytest.raises(ValueError, match="head rows"):  # a split call's first part only
+        ExtendStoreKey(with_knobs(heads.extend, request_rows=True), epilogue)
+    # Only a split call has them: not a step, not a decode-sized call (one launch).
     forward = host.select_key(4, 2, 512, "bfloat16", "sm_90a", Direction.FORWARD)
-    for size in (extend_plan.SizeClass.LARGE, extend_plan.SizeClass.STEP,
-                 extend_plan.SizeClass.DECODE_SIZED):
+    for size in (extend_plan.SizeClass.STEP, extend_plan.SizeClass.DECODE_SIZED):
         assert window_plan.split_store_keys(extend_plan.for_size(forward, size),
                                             epilogue) is None
     assert host.prefill_store_keys(epilogue, None, None) == ()

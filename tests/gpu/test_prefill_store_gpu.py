@@ -1,25 +1,25 @@
-"""csa::compressor_extend_store's prefill of few requests in two fused launches (the head rows
-and states: kernels/window/extend_store.py; the other rows: kernels/window/rows_store.py) on
+"""csa::compressor_extend_store's split calls in two fused launches (the head rows and
+states: kernels/window/extend_store.py; the other rows: kernels/window/rows_store.py) on
 CUDA, against the same call as the extend kernel's launches followed by the store kernel
 (which tests/gpu/test_store_kernel_gpu.py holds to the torch route): cu_seqlens_comp, both
 state tensors and the whole cache bitwise, for every format, each row dtype, ratios 2 to 8
 at both coffs; with requests that continue a sequence and requests that start one, empty and
 one-token requests, invalid requests, block-table entries out of range (negative, past the
 cache, past the table's width, for some of a request's rows only) and rows past the RoPE
-tables. What the fused launches do not take (more requests than a warp's lanes), they
-decline before writing anything.
+tables; batches whose rows' requests the rows launch finds by lanes (at most 32) or by a
+scan (more, and a prefill among decode requests).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal
 from test_decode_step_gpu import CASES, DEVICE, STORE, Step, assert_same_step, fused
 
 import csa_ops
 from csa_ops import row_epilogue
 from csa_ops.kernels import extend_plan
+from csa_ops.kernels.calls import SizeClass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -48,20 +48,22 @@ def test_a_prefill_in_two_fused_launches_stores_what_three_launches_store(case):
     assert not torch.equal(got[15].cpu(), step.cache), "nothing was stored"
 
 
-@pytest.mark.parametrize("batch, taken", [(32, True), (33, False)])
-def test_a_warp_of_requests_at_most(batch, taken):
-    """32 requests fill a warp's lanes; 33 are no split call by lanes: declined, nothing
-    written (the extend and store kernels run it)."""
-    lengths = [3200 // batch] * batch
-    step = prefill(CASES[0], lengths, seed=batch)
+BATCHES = {  # (lengths, size class): the rows' requests by lanes, or by the CTA's scan
+    "lanes-32": ([100] * 32, SizeClass.FEW_LARGE),  # a warp's lanes full
+    "scan-33": ([100] * 33, SizeClass.LARGE),  # one more
+    "mixed": ([1, 2, 1, 1100] + [1, 3] * 20, SizeClass.LARGE),  # a prefill among decodes
+    "many": ([2, 1, 5] * 100, SizeClass.LARGE),  # three requests a thread in the scan
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_every_batch_shape_stores_what_three_launches_store(batch):
+    lengths, size = BATCHES[batch]
+    assert extend_plan.size_class(sum(lengths), len(lengths)) == size
+    step = prefill(CASES[0], lengths, seed=len(lengths))
     got = step.args()
-    before = [got[i].clone() for i in (6, 7, 15)]
     got_cuc = fused(got)
-    if not taken:
-        assert got_cuc is None
-        for name, i, b in zip(("kv_state", "score_state", "cache"), (6, 7, 15), before):
-            assert_bitwise_equal(got[i], b, name)
-        return
+    assert got_cuc is not None, "the fused kernels did not take the call"
     want = step.args()
     with row_epilogue.two_launch_step():
         want_cuc = STORE(*want)

@@ -319,8 +319,9 @@ def plan_extend_store(key: ExtendStoreKey, num_requests: int) -> LaunchPlan:
 @dataclasses.dataclass(frozen=True)
 class RowsStoreKey(_FusedKey):
     """A split csa::compressor_extend_store call's second launch (rows_store.py): the row
-    items of the extend key (part ROWS, the batch in a warp's lanes) pooled in the
-    epilogue's CTA, consecutive rows per CTA, each through the epilogue into the cache."""
+    items of the extend key (part ROWS; lane_requests: the batch in a warp's lanes, else
+    scanned) pooled in the epilogue's CTA, consecutive rows per CTA, each through the
+    epilogue into the cache."""
 
     rows: KernelKey
     epilogue: EpilogueKey
@@ -329,19 +330,18 @@ class RowsStoreKey(_FusedKey):
 
     def __post_init__(self) -> None:
         self.check_keys()
-        knobs = self.rows.knobs
-        if knobs.part != Part.ROWS or not knobs.lane_requests:
+        if self.rows.knobs.part != Part.ROWS:
             raise ValueError(f"RowsStoreKey: the extend key must be a split call's row "
-                             f"items placed by lanes, got {knobs!r}")
+                             f"items (part ROWS), got {self.rows.knobs!r}")
 
 
 def split_store_keys(key: KernelKey,
                      epilogue: EpilogueKey) -> tuple[ExtendStoreKey, RowsStoreKey] | None:
-    """The two fused launches of a split call of few requests (extend_key's, size class
-    FEW_LARGE: row items placed by lanes) whose epilogue is `epilogue`: the requests' head
-    rows and states, then the other rows, each in the epilogue's CTA; None where one CTA
-    cannot be both (_epilogue_cta) or the call is not such a split."""
-    if key.family != "window" or key.knobs.part != Part.REQUESTS or not key.knobs.lane_requests:
+    """The two fused launches of a split call (extend_key's, size classes LARGE and
+    FEW_LARGE) whose epilogue is `epilogue`: the requests' head rows and states, then the
+    other rows, each in the epilogue's CTA; None where one CTA cannot be both
+    (_epilogue_cta) or the call is not split."""
+    if key.family != "window" or key.knobs.part != Part.REQUESTS:
         return None
     heads = _epilogue_cta(with_knobs(key, lane_requests=False), epilogue, key.window + 1)
     rows = _epilogue_cta(with_knobs(key, part=Part.ROWS), epilogue, key.window + 1)

@@ -1,5 +1,5 @@
-"""The second launch of a split csa::compressor_extend_store call of few requests (a
-prefill; register-window family): the rows past each request's head rows, pooled where the
+"""The second launch of a split csa::compressor_extend_store call (a prefill, or a batch
+that mixes one with decode requests; register-window family): the rows past each request's head rows, pooled where the
 epilogue's CTA runs and taken straight through the row epilogue into the paged cache.
 
 Apart, a prefill is the extend kernel's two launches (the requests' items, the row items),
@@ -13,11 +13,13 @@ tokens and it writes only their cache rows, none of which the first launch reads
 so it starts without waiting for that launch (PDL), as the extend kernel's row items do.
 
 A CTA takes ceil(rows / CTAs) consecutive rows (plan.plan_row_share: one wave of the CTAs
-an SM its launch bound keeps resident). Each warp holds the batch in its lanes (at most 32
-requests), so its threads look the CTA's rows up at once, a thread a row, by shuffles: the
-request, the block, the window's first token and the cache row. Each row's window and
-angles are loaded while the row before it is pooled and finished. Every branch around a
-barrier depends on the row only, the same for all threads.
+an SM its launch bound keeps resident), and its threads look them up at once, a thread a
+row: the request, the block, the window's first token and the cache row. With at most 32
+requests (lane_requests) each warp holds the batch in its lanes and finds a row's request
+by shuffles; with more, the CTA scans the batch's row counts once for all its rows, as the
+extend kernel's row items do. Each row's window and angles are loaded while the row before
+it is pooled and finished. Every branch around a barrier depends on the row only, the same
+for all threads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import cutlass
 from cutlass import Float32, Int32, Int64, cute
 from cutlass.memory import SmemAllocator
 
-from ..epilogue.store import RowEpilogueStore
+from ..epilogue.store import LOOKUP_REQUESTS, RowEpilogueStore
 from ..shared import common as cm
 from ..shared import requests
 from .forward_epilogue import RowFlag, WindowForwardEpilogue
@@ -39,21 +41,60 @@ class WindowRowsStore(WindowForwardEpilogue):
 
     def __init__(self, key: RowsStoreKey) -> None:
         super().__init__(key)
-        self.batch = requests.Batch(self.R, self.threads)
+        self.lanes = key.rows.knobs.lane_requests
+        self.batch = requests.Batch(self.R, self.threads, max(
+            requests.COUNTS_AHEAD, min(8, LOOKUP_REQUESTS // self.threads)))
 
     def smem_bytes(self) -> int:
         # ape's rows, the row's buffer, then the looked-up rows' cache offsets (two int64),
-        # positions (int64), first tokens and flags (int32), a thread's row each.
-        return (self.W * self.D + self.D) * 4 + 32 * self.threads + 64
+        # positions (int64), first tokens, flags, requests and first rows (int32), a
+        # thread's row each, and the scan's warp sums.
+        return (self.W * self.D + self.D) * 4 + 40 * self.threads + 4 * (self.threads // 32) + 64
 
     @cute.jit
-    def look_up(self, held, p_table, n: Int32, end: Int32, table_width: Int32,
+    def locate(self, cu, starts, slots, n: Int32, begin: Int32, end: Int32,
+               num_reqs: Int32, num_tokens: Int32, num_slots: Int32, sReq, sBase, sWarp,
+               tid: Int32):
+        """(found, first row, ok, first token, start, rows, request) of the request whose
+        rows hold row n, this thread's (found: one does). With at most 32 requests each
+        warp holds the batch in its lanes (shuffles); else the CTA scans the batch's row
+        counts, as the extend kernels place their rows, and marks its rows' requests in
+        sReq and sBase (barriers). Every thread takes part."""
+        if cutlass.const_expr(self.lanes):
+            held = self.batch.hold_in_lanes(cu, starts, slots, num_reqs, num_tokens,
+                                            num_slots, tid % 32)
+            return self.batch.lane_of_row(n, held)
+        sReq[tid] = Int32(-1)  # published by scan's barrier
+        held = self.batch.run_counts(cu, starts, num_reqs, tid)
+        b_lo, b_hi, running, _ = self.batch.scan(cu, starts, num_reqs, tid, sWarp, held)
+        self.batch.place(cu, starts, num_reqs, b_lo, b_hi, running, held,
+                         lambda b, first, rows: self.mark(sReq, sBase, b, first, rows, begin,
+                                                          end))
+        cute.arch.sync_threads()
+        request = sReq[tid]
+        first_row = sBase[tid]
+        found = request >= 0
+        ok, tok0, start, _, _, rows = self.batch.request(
+            cu, starts, slots, cutlass.max(request, Int32(0)), num_tokens, num_slots)
+        return found, first_row, ok, tok0, start, rows, request
+
+    @cute.jit
+    def mark(self, sReq, sBase, b, first, rows, begin: Int32, end: Int32):
+        """Batch.place's visit: request b (rows [first, first + rows)) for the CTA's rows
+        [begin, end) it holds."""
+        lo = cutlass.max(first, begin)
+        for n in cutlass.range(lo, cutlass.min(requests.add_rows(first, rows), end)):
+            sReq[n - begin] = b
+            sBase[n - begin] = first
+
+    @cute.jit
+    def look_up(self, located, p_table, n: Int32, end: Int32, table_width: Int32,
                 num_pages: Int32, page_size: Int32, page_bytes: Int32, sToken, sPosition,
                 sData, sScale, sFlags, tid: Int32):
-        """Row n (this thread's) into the CTA's lookups where n < end: flags POOLED and KEPT
-        where a valid request's rows hold it past their head rows and its cache row is in
-        range (store.py's judgement), else none. Every lane takes part (shuffles)."""
-        found, first_row, ok, tok0, start, rows, request = self.batch.lane_of_row(n, held)
+        """Row n (this thread's, ``located``) into the CTA's lookups where n < end: flags
+        POOLED and KEPT where a valid request's rows hold it past their head rows and its
+        cache row is in range (store.py's judgement), else none."""
+        found, first_row, ok, tok0, start, rows, request = located
         if n < end:
             flags = Int32(0)
             h = n - first_row
@@ -93,12 +134,15 @@ class WindowRowsStore(WindowForwardEpilogue):
         rows_per_cta = (num_rows + grid - 1) // grid
         begin = cta * rows_per_cta
         end = cutlass.min(begin + rows_per_cta, num_rows)
+        sReq = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
+        sBase = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.threads // 32), 4)
         cu = cute.make_tensor(p_cu, num_reqs + 1)
         starts = cute.make_tensor(p_starts, num_reqs)
         slots = cute.make_tensor(p_slots, num_reqs)
-        held = self.batch.hold_in_lanes(cu, starts, slots, num_reqs, num_tokens, num_slots,
-                                        tid % 32)
-        self.look_up(held, p_table, begin + tid, end, table_width, num_pages, page_size,
+        located = self.locate(cu, starts, slots, begin + tid, begin, end, num_reqs, num_tokens,
+                              num_slots, sReq, sBase, sWarp, tid)
+        self.look_up(located, p_table, begin + tid, end, table_width, num_pages, page_size,
                      page_bytes, sToken, sPosition, sData, sScale, sFlags, tid)
         rWeight = self.epi.load_weight(p_weight, tid)
         self.stage_ape(p_ape, sApe, 0, tid)  # its barrier publishes the lookups too
