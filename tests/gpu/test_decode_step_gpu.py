@@ -133,6 +133,35 @@ def assert_same_step(got: list, got_cuc, want: list, want_cuc) -> None:
     assert_bitwise_equal(got[15], want[15], "cache")
 
 
+def assert_fused_stores_what_two_launches_store(step: Step) -> list:
+    """The call by the fused kernels (which must take it) against the extend and store
+    kernels; returns the fused call's arguments."""
+    got = step.args()
+    got_cuc = fused(got)
+    assert got_cuc is not None, "the fused kernels did not take the call"
+    want = step.args()
+    with row_epilogue.two_launch_step():
+        want_cuc = STORE(*want)
+    assert_same_step(got, got_cuc, want, want_cuc)
+    return got
+
+
+def assert_a_replay_stores_what_an_eager_call_stores(step: Step) -> None:
+    """A call captured (its kernels compiled before) and replayed from the same state and
+    cache stores what the eager call stores."""
+    eager = step.args()
+    eager_cuc = STORE(*eager)
+    replayed = step.args()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_cuc = STORE(*replayed)
+    for i, t in ((6, step.kv_state), (7, step.score_state), (15, step.cache)):
+        replayed[i].copy_(t.to(DEVICE))  # the capture ran nothing; as before the call
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same_step(replayed, graph_cuc, eager, eager_cuc)
+
+
 UNEVEN = {  # one token per request on average, some requests with several rows or none
     "decode": lambda batch, r: [1] * batch,
     "uneven": lambda batch, r: [3 * r + 1, 0, 0, 2] + [0] * (3 * r - 1) + [1] * (batch - 3 * r - 3),
@@ -145,13 +174,7 @@ def test_adversarial_step_in_one_launch_stores_what_two_launches_store(case, pat
     lengths = UNEVEN[pattern](40, case.ratio)
     assert sum(lengths) == len(lengths)  # a decode step's size class
     step = Step(case, lengths, seed=CASES.index(case))
-    got = step.args()
-    got_cuc = fused(got)
-    assert got_cuc is not None, "the fused kernel did not take the call"
-    want = step.args()
-    with row_epilogue.two_launch_step():
-        want_cuc = STORE(*want)
-    assert_same_step(got, got_cuc, want, want_cuc)
+    got = assert_fused_stores_what_two_launches_store(step)
     assert not torch.equal(got[15].cpu(), step.cache), "nothing was stored"
 
 
@@ -164,13 +187,7 @@ def test_one_and_many_requests(batch):
     step = Step(case, lengths, seed=batch)
     if batch == 1:  # the one request must be valid and complete a block
         step.start_pos[0], step.slots[0] = 4 * case.ratio - 1, 0
-    got = step.args()
-    got_cuc = fused(got)
-    assert got_cuc is not None
-    want = step.args()
-    with row_epilogue.two_launch_step():
-        want_cuc = STORE(*want)
-    assert_same_step(got, got_cuc, want, want_cuc)
+    assert_fused_stores_what_two_launches_store(step)
 
 
 @pytest.mark.parametrize("case", [
@@ -195,18 +212,7 @@ def test_a_captured_step_replays_the_one_launch_bytes():
                              1e-6, case.dtype, case.weight_dtype, ratio=case.ratio,
                              coff=case.coff)
     csa_ops.precompile_extend(case.ratio, case.head_dim, case.coff, case.dtype)
-    step = Step(case, [1] * 16, seed=9)
-    eager = step.args()
-    eager_cuc = STORE(*eager)
-    replayed = step.args()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_cuc = STORE(*replayed)
-    for i, t in ((6, step.kv_state), (7, step.score_state), (15, step.cache)):
-        replayed[i].copy_(t.to(DEVICE))  # the capture ran nothing; as before the step
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_step(replayed, graph_cuc, eager, eager_cuc)
+    assert_a_replay_stores_what_an_eager_call_stores(Step(case, [1] * 16, seed=9))
 
 
 def test_a_capture_without_the_fused_kernel_runs_the_two_launches(monkeypatch):

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decode_step_gpu import CASES, DEVICE, STORE, Step, assert_same_step, fused
+from test_decode_step_gpu import (
+    CASES,
+    Step,
+    assert_a_replay_stores_what_an_eager_call_stores,
+    assert_fused_stores_what_two_launches_store,
+)
 
 import csa_ops
-from csa_ops import row_epilogue
 from csa_ops.kernels import extend_plan
 from csa_ops.kernels.calls import SizeClass
 
@@ -36,15 +40,9 @@ def prefill(case, lengths=LENGTHS, seed=0) -> Step:
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
 def test_a_prefill_in_two_fused_launches_stores_what_three_launches_store(case):
-    assert extend_plan.size_class(sum(LENGTHS), len(LENGTHS)) == extend_plan.SizeClass.FEW_LARGE
+    assert extend_plan.size_class(sum(LENGTHS), len(LENGTHS)) == SizeClass.FEW_LARGE
     step = prefill(case, seed=CASES.index(case))
-    got = step.args()
-    got_cuc = fused(got)
-    assert got_cuc is not None, "the fused kernels did not take the call"
-    want = step.args()
-    with row_epilogue.two_launch_step():
-        want_cuc = STORE(*want)
-    assert_same_step(got, got_cuc, want, want_cuc)
+    got = assert_fused_stores_what_two_launches_store(step)
     assert not torch.equal(got[15].cpu(), step.cache), "nothing was stored"
 
 
@@ -60,14 +58,7 @@ BATCHES = {  # (lengths, size class): the rows' requests by lanes, or by the CTA
 def test_every_batch_shape_stores_what_three_launches_store(batch):
     lengths, size = BATCHES[batch]
     assert extend_plan.size_class(sum(lengths), len(lengths)) == size
-    step = prefill(CASES[0], lengths, seed=len(lengths))
-    got = step.args()
-    got_cuc = fused(got)
-    assert got_cuc is not None, "the fused kernels did not take the call"
-    want = step.args()
-    with row_epilogue.two_launch_step():
-        want_cuc = STORE(*want)
-    assert_same_step(got, got_cuc, want, want_cuc)
+    assert_fused_stores_what_two_launches_store(prefill(CASES[0], lengths, seed=len(lengths)))
 
 
 def test_a_captured_prefill_replays_the_fused_bytes():
@@ -78,15 +69,4 @@ def test_a_captured_prefill_replays_the_fused_bytes():
                              1e-6, case.dtype, case.weight_dtype, ratio=case.ratio,
                              coff=case.coff)
     csa_ops.precompile_extend(case.ratio, case.head_dim, case.coff, case.dtype)
-    step = prefill(case, seed=5)
-    eager = step.args()
-    eager_cuc = STORE(*eager)
-    replayed = step.args()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_cuc = STORE(*replayed)
-    for i, t in ((6, step.kv_state), (7, step.score_state), (15, step.cache)):
-        replayed[i].copy_(t.to(DEVICE))  # the capture ran nothing; as before the call
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_step(replayed, graph_cuc, eager, eager_cuc)
+    assert_a_replay_stores_what_an_eager_call_stores(prefill(case, seed=5))

@@ -97,6 +97,31 @@ class WindowForwardEpilogue(WindowForward):
             sPosition[tid] = position
             sFlags[tid] = (Int32(pooled) * RowFlag.POOLED + Int32(first) * RowFlag.FIRST
                            + Int32(kept) * RowFlag.KEPT)
+        self.each_row(p_kv, p_score, p_ape, p_weight, p_cos, p_sin, sApe, sToken, sPosition,
+                      sFlags, begin, end, table_rows, tid,
+                      lambda n, flags, operands, rWeight: self.finish(
+                          p_out, sApe, sRow, n, flags, operands, rWeight, tid))
+
+    @cute.jit
+    def finish(self, p_out, sApe, sRow, n, flags, operands, rWeight, tid):
+        """Row n pooled, through the epilogue where it is kept, into the output (zeros
+        where it is not pooled)."""
+        rKV, rS, rCos, rSin = operands
+        rO = self.pooled(rKV, rS, sApe, tid, (flags & RowFlag.POOLED) != 0,
+                         (flags & RowFlag.FIRST) != 0)
+        rX = self.epi.strided(rO, sRow, tid)
+        kept = (flags & RowFlag.KEPT) != 0
+        if kept:
+            self.epi.finish_row(rX, rWeight, (rCos, rSin), sRow, tid)
+        self.epi.store_row(p_out, n, rX, kept, tid)
+
+    @cute.jit
+    def each_row(self, p_kv, p_score, p_ape, p_weight, p_cos, p_sin, sApe, sToken, sPosition,
+                 sFlags, begin, end, table_rows: Int32, tid: Int32, finish):
+        """finish(n, flags, operands, weight) for each of the CTA's rows [begin, end), looked
+        up into sToken, sPosition and sFlags (published by the ape barrier here), with each
+        row's operands fetched while the row before it is finished. ``flags`` is the same
+        for every thread of the CTA."""
         rWeight = self.epi.load_weight(p_weight, tid)
         self.stage_ape(p_ape, sApe, 0, tid)  # its barrier publishes the lookups too
         current, upcoming = self.row_operands(), self.row_operands()
@@ -108,15 +133,7 @@ class WindowForwardEpilogue(WindowForward):
             if n + 1 < end:
                 self.fetch(upcoming, p_kv, p_score, p_cos, p_sin, sFlags[j + 1],
                            sToken[j + 1], sPosition[j + 1], table_rows, tid)
-            flags = sFlags[j]  # the same for every thread of the CTA
-            rKV, rS, rCos, rSin = current
-            rO = self.pooled(rKV, rS, sApe, tid, (flags & RowFlag.POOLED) != 0,
-                             (flags & RowFlag.FIRST) != 0)
-            rX = self.epi.strided(rO, sRow, tid)
-            kept = (flags & RowFlag.KEPT) != 0
-            if kept:
-                self.epi.finish_row(rX, rWeight, (rCos, rSin), sRow, tid)
-            self.epi.store_row(p_out, n, rX, kept, tid)
+            finish(n, sFlags[j], current, rWeight)
             self.move(upcoming, current)
 
     @cute.jit

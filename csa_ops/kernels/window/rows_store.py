@@ -111,6 +111,19 @@ class WindowRowsStore(WindowForwardEpilogue):
                     sScale[tid] = scale
             sFlags[tid] = flags
 
+    @cute.jit
+    def store(self, p_cache, sApe, sRow, data: Int64, scale: Int64, flags, operands, rWeight,
+              tid: Int32):
+        """A looked-up row pooled, through the epilogue and encoded into its cache row,
+        where it is stored at all."""
+        if (flags & RowFlag.POOLED) != 0:  # the same for every thread of the CTA
+            rKV, rS, rCos, rSin = operands
+            rO = self.pooled(rKV, rS, sApe, tid, True, cutlass.Boolean(False))
+            rX = self.epi.strided(rO, sRow, tid)
+            self.epi.finish_and_store(rX, rWeight, (rCos, rSin), sRow, p_cache, data, scale,
+                                      tid)
+            cute.arch.sync_threads()  # the encoding has read sRow before the next row
+
     @cute.kernel
     def kernel(self, p_kv, p_score, p_ape, p_cu, p_starts, p_slots, p_kvs, p_ss, p_cuc,
                p_weight, p_cos, p_sin, p_table, p_cache, num_tokens: Int32, num_rows: Int32,
@@ -144,25 +157,11 @@ class WindowRowsStore(WindowForwardEpilogue):
                               num_slots, sReq, sBase, sWarp, tid)
         self.look_up(located, p_table, begin + tid, end, table_width, num_pages, page_size,
                      page_bytes, sToken, sPosition, sData, sScale, sFlags, tid)
-        rWeight = self.epi.load_weight(p_weight, tid)
-        self.stage_ape(p_ape, sApe, 0, tid)  # its barrier publishes the lookups too
-        current, upcoming = self.row_operands(), self.row_operands()
-        if begin < end:
-            self.fetch(current, p_kv, p_score, p_cos, p_sin, sFlags[0], sToken[0],
-                       sPosition[0], table_rows, tid)
-        for n in cutlass.range(begin, end, unroll=1):
-            j = n - begin
-            if n + 1 < end:
-                self.fetch(upcoming, p_kv, p_score, p_cos, p_sin, sFlags[j + 1],
-                           sToken[j + 1], sPosition[j + 1], table_rows, tid)
-            if (sFlags[j] & RowFlag.POOLED) != 0:  # the same for every thread of the CTA
-                rKV, rS, rCos, rSin = current
-                rO = self.pooled(rKV, rS, sApe, tid, True, cutlass.Boolean(False))
-                rX = self.epi.strided(rO, sRow, tid)
-                self.epi.finish_and_store(rX, rWeight, (rCos, rSin), sRow, p_cache, sData[j],
-                                          sScale[j], tid)
-                cute.arch.sync_threads()  # the encoding has read sRow before the next row
-            self.move(upcoming, current)
+        self.each_row(p_kv, p_score, p_ape, p_weight, p_cos, p_sin, sApe, sToken, sPosition,
+                      sFlags, begin, end, table_rows, tid,
+                      lambda n, flags, operands, rWeight: self.store(
+                          p_cache, sApe, sRow, sData[n - begin], sScale[n - begin], flags,
+                          operands, rWeight, tid))
         cm.complete_after_upstream(self.pdl, cta)
 
     @cute.jit
