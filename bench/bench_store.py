@@ -5,14 +5,15 @@
 
 Per config and shape (bf16, fp32 norm weight, RoPE 64, page_size 64), in one run: ``extend``
 (csa::compressor_extend alone, the baseline), ``store kernel`` (the op: on CUDA a decode
-step's one kernel or a prefill's two fused launches where they take the call, else the
-extend kernel then the row-epilogue kernel), ``store 2 launches`` (the op as the extend
-kernel then the store kernel for every call), ``store torch`` (the op under
+step's one kernel where it takes the call, else the extend kernel then the row-epilogue
+kernel), ``store 2 launches`` (the op as the extend kernel then the store kernel for every
+call), ``store fused prefill`` (prefill shapes: the op under row_epilogue.fused_prefill(), a
+split call's two fused launches), ``store torch`` (the op under
 row_epilogue.torch_route()), ``store compiled`` (torch.compile of the extend then
-serving_store.epilogue_store; fullgraph=True,
-else False, recorded; an error is recorded), each as wall time of back-to-back eager calls
-and on CUDA as CUDA-graph replay (bench_serving.time_step); and ``DRAM floor``: the store's
-bytes (store_bytes) at the measured copy bandwidth, and at the H200's nominal 4.8 TB/s.
+serving_store.epilogue_store; fullgraph=True, else False, recorded; an error is recorded),
+each as wall time of back-to-back eager calls and on CUDA as CUDA-graph replay
+(bench_serving.time_step); and ``DRAM floor``: the store's bytes (store_bytes) at the
+measured copy bandwidth, and at the H200's nominal 4.8 TB/s.
 Every variant's state and cache after one call from the same initial state and cache are
 compared bitwise with ``store kernel``'s; a mismatch is recorded, not raised. Writes
 results.json, results.md and results.png under --out (default bench/out/store).
@@ -47,6 +48,7 @@ DECODE_CONTEXT = 16384  # decode positions are drawn below this
 NOMINAL_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 FLOOR, KERNEL = "DRAM floor", "store kernel"
 TWO_LAUNCHES = "store 2 launches"  # the extend kernel, then the store kernel
+FUSED_PREFILL = "store fused prefill"  # a split call's two fused launches (opt-in)
 STORE = torch.ops.csa.compressor_extend_store.default
 Config = namedtuple("Config", "head_dim ratio coff cache_format rope_dim rotate",
                     defaults=(64, False))
@@ -222,10 +224,13 @@ def run_case(config: str, shape: str, args, bandwidth: float, gen) -> list:
     starts, lengths = requests(shape, cfg.ratio, gen)
     case = Case(cfg, starts, lengths, args.device, gen)
     fns = {"extend": case.extend, KERNEL: STORE, TWO_LAUNCHES: STORE, "store torch": STORE}
+    if shape.startswith("prefill"):
+        fns[FUSED_PREFILL] = STORE
     if not args.no_compile:
         fns["store compiled"] = compiled
     routes = {v: row_epilogue.torch_route for v in ("store torch", "store compiled")}
     routes[TWO_LAUNCHES] = row_epilogue.two_launch_step
+    routes[FUSED_PREFILL] = row_epilogue.fused_prefill
     checks, want = {}, None
     for variant in sorted(fns, key=lambda v: v != KERNEL):  # the kernel's outcome first
         route, note = routes.get(variant, contextlib.nullcontext), {}

@@ -81,6 +81,13 @@ def two_launch_step():
     return _switched("fused_store_step")
 
 
+def fused_prefill(on: bool = True):
+    """Within: csa::compressor_extend_store's split calls (a prefill, or a batch mixing one
+    with decode requests) run as two fused launches (kernels/window/rows_store.py) where
+    they take the call; off by default, so that only a scope that asks runs them."""
+    return _switched("fused_store_prefill", on)
+
+
 def two_launch_forward():
     """Within: csa::compressor_epilogue's forward runs as csa::compressor's kernel, then the
     row-epilogue kernel (the fused kernel's reference, and the benchmarks' baseline)."""
@@ -219,8 +226,10 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
     num_requests = start_pos.shape[0]
     tensors = (kv, score, ape, cu_seqlens, start_pos, slots, kv_state, score_state,
                norm_weight, cos, sin, block_table, cache)
+    prefill = STATE.fused_store_prefill
     signature = dispatch.signature(tensors, Direction.EXTEND_STORE, float(eps), rope_dim,
-                                   rotate, cache_format, page_size, ratio, coff, num_rows)
+                                   rotate, cache_format, page_size, ratio, coff, num_rows,
+                                   prefill)
 
     def constants(key):
         if isinstance(key, window_plan.RowsStoreKey):
@@ -238,18 +247,19 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
         signature, Direction.EXTEND_STORE, _STEP_INPUTS, {"cuc": ("cu", None)},
         ("kv_state", "score_state", "cache"),
         lambda host: _fused_store_keys(kv, num_requests, norm_weight, eps, rope_dim, rotate,
-                                       cache_format, ratio, coff, host),
+                                       cache_format, ratio, coff, prefill, host),
         constants, kv.device.index or 0, live="ape", to_float=("ape",), compiled_only=True,
         launched=lambda keys: zip((Direction.EXTEND_STORE, Direction.ROWS_STORE), keys))
     return None if call is None else call(*tensors)
 
 
 def _fused_store_keys(kv, num_requests: int, norm_weight, eps: float, rope_dim: int,
-                      rotate: bool, cache_format: str, ratio: int, coff: int, host):
+                      rotate: bool, cache_format: str, ratio: int, coff: int, prefill: bool,
+                      host):
     """The fused keys of a call's launches: a decode step's one, whose extend kernel pools
-    each request's rows in the request's item (a call of one token per request does), or a
-    prefill's two, whose extend kernel is a split call placing its rows by lanes; None
-    where the call is neither or the fused kernels cannot hold the epilogue."""
+    each request's rows in the request's item (a call of one token per request does), or,
+    with ``prefill``, a split call's two; None where the call is neither or the fused
+    kernels cannot hold the epilogue."""
     problem = host.extend_problem(kv, ratio, coff, num_requests)
     if problem is None:
         return None
@@ -258,7 +268,9 @@ def _fused_store_keys(kv, num_requests: int, norm_weight, eps: float, rope_dim: 
     if epilogue is None:
         return None
     step = window_plan.extend_store_key(problem.key, epilogue)
-    return (step,) if step is not None else window_plan.split_store_keys(problem.key, epilogue)
+    if step is not None:
+        return (step,)
+    return window_plan.split_store_keys(problem.key, epilogue) if prefill else None
 
 
 def takes_fused_forward(kv) -> bool:

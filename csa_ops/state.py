@@ -53,7 +53,9 @@ class ProcessState:
         # csa_ops.row_epilogue: the epilogue ops' row epilogue by its kernels (off: the torch
         # route, the composition they are tested against)
         self.store_kernel = True
-        self.fused_store_step = True  # ... a decode step or prefill fused with its pooling
+        self.fused_store_step = True  # ... a decode step's in one kernel with its pooling
+        # ... a split call's in two (off by default: row_epilogue.fused_prefill())
+        self.fused_store_prefill = False
         self.training_epilogue_kernel = True
         # ... its forward in one kernel with its pooling, and its backward
         # (row_epilogue.two_launch_forward() and staged_backward() turn them off for a scope)

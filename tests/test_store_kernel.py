@@ -170,6 +170,13 @@ def test_routes_and_defaults():
                 STATE.training_epilogue_backward_kernel)
 
     assert STATE.fused_store_step
+    assert not STATE.fused_store_prefill  # a scope asks for the prefill's fused launches
+    with row_epilogue.fused_prefill():
+        assert STATE.fused_store_prefill
+        with row_epilogue.fused_prefill(False):
+            assert not STATE.fused_store_prefill
+        assert STATE.fused_store_prefill
+    assert not STATE.fused_store_prefill
     assert STATE.fused_training_forward and STATE.fused_training_backward
     with row_epilogue.two_launch_forward(), row_epilogue.staged_backward():
         assert not (STATE.fused_training_forward or STATE.fused_training_backward)

@@ -22,10 +22,17 @@ from test_decode_step_gpu import (
 )
 
 import csa_ops
+from csa_ops import row_epilogue
 from csa_ops.kernels import extend_plan
 from csa_ops.kernels.calls import SizeClass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _fused_prefill():
+    with row_epilogue.fused_prefill():
+        yield
 
 # Ten requests, 3,157 new tokens: a split call placing its rows by lanes (FEW_LARGE).
 LENGTHS = [1201, 0, 377, 640, 2, 1, 513, 290, 33, 100]
