@@ -214,7 +214,8 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
     """Compile (or load) csa::compressor_extend_store's row-epilogue kernel of one epilogue;
     weight_dtype None means float32; the rest as in precompile. With ``ratio`` and ``coff``
     also the fused kernels of that configuration, where they take it: the decode step's,
-    and each split call's two (prefill_store_keys). Returns
+    and within row_epilogue.fused_prefill() each split call's two (prefill_store_keys).
+    Returns
     the epilogue's key, or None where that epilogue runs as torch ops."""
     key = _epilogue_target("precompile_store", head_dim, cache_format, rope_dim, rotate, eps,
                            dtype, weight_dtype, arch, False)
@@ -224,6 +225,8 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
         if step is not None:
             KERNELS.get(Direction.EXTEND_STORE, step)
         for size in (extend_plan.SizeClass.FEW_LARGE, extend_plan.SizeClass.LARGE):
+            if not STATE.fused_store_prefill:  # only calls within fused_prefill() take them
+                break
             for direction, split_key in zip(SPLIT_STORE,
                                             prefill_store_keys(key, ratio, coff, size)):
                 KERNELS.get(direction, split_key)

@@ -30,6 +30,7 @@ import torch
 
 from . import dispatch
 from .config import Direction
+from .kernels.calls import check_lanes
 from .kernels.window import plan as window_plan
 from .launch_description import CallSpec, Launch, current_stream_handle, python_call
 from .state import STATE
@@ -233,6 +234,7 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
 
     def constants(key):
         if isinstance(key, window_plan.RowsStoreKey):
+            check_lanes(key.rows, num_requests)
             sms = torch.cuda.get_device_properties(kv.device).multi_processor_count
             grid = window_plan.plan_row_share(key, num_rows, sms)[0].grid
         else:

@@ -304,6 +304,10 @@ def test_the_prefill_kernels_compile_for_their_configuration(config, arch, size)
     for ptx in (head_ptx, rows_ptx):
         assert "ld.local" not in ptx and "st.local" not in ptx
         assert "sqrt.approx" not in ptx and "rsqrt" not in ptx
+        if shutil.which("ptxas"):
+            (_, _, _, spill_stores, spill_loads), *_ = bench_module(
+                "kernel_resources").ptxas_resources(ptx, arch)
+            assert spill_stores == spill_loads == 0
     assert head_ptx.count("sqrt.rn.f32") == coff  # the head rows only
     assert head_ptx.index("griddepcontrol.wait") < head_ptx.index("ld.global")
     assert rows_ptx.count("sqrt.rn.f32") == 1
@@ -312,10 +316,30 @@ def test_the_prefill_kernels_compile_for_their_configuration(config, arch, size)
     assert rows_ptx.index("griddepcontrol.wait") > rows_ptx.rindex("ld.global")
     assert f".minnctapersm {rows.rows.knobs.min_ctas}" in rows_ptx
     if shutil.which("ptxas"):
-        (_, registers, _, spill_stores, spill_loads), *_ = bench_module(
-            "kernel_resources").ptxas_resources(rows_ptx, arch)
-        assert spill_stores == spill_loads == 0
+        (_, registers, *_), *_ = bench_module("kernel_resources").ptxas_resources(rows_ptx,
+                                                                                 arch)
         assert _an_sm_holds(rows.rows.knobs.min_ctas, key.threads, registers)
+
+
+def test_precompile_store_compiles_the_prefill_kernels_where_calls_take_them(monkeypatch):
+    """With a configuration, precompile_store compiles the split calls' fused kernels only
+    within fused_prefill(), where calls take them (recorded here, not compiled)."""
+    from csa_ops import row_epilogue
+
+    asked = []
+    monkeypatch.setattr(host.KERNELS, "get", lambda direction, key: asked.append(
+        (Direction(direction), key)))
+    key = csa_ops.precompile_store(512, "fp8_ds_mla", 64, False, 1e-6, torch.bfloat16,
+                                   torch.float32, arch="sm_90a", ratio=4, coff=2)
+    split = {(d, k) for size in (SizeClass.FEW_LARGE, SizeClass.LARGE)
+             for d, k in zip(host.SPLIT_STORE, host.prefill_store_keys(key, 4, 2, size))}
+    assert len(split) == 3  # the head rows' kernel is both sizes'
+    assert [d for d, _ in asked] == [Direction.STORE, Direction.EXTEND_STORE]
+    asked.clear()
+    with row_epilogue.fused_prefill():
+        csa_ops.precompile_store(512, "fp8_ds_mla", 64, False, 1e-6, torch.bfloat16,
+                                 torch.float32, arch="sm_90a", ratio=4, coff=2)
+    assert set(asked[2:]) == split and len(asked) == 6
 
 
 def test_the_prefill_keys_hold_their_two_keys_together():

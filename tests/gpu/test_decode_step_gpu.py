@@ -147,14 +147,15 @@ def assert_fused_stores_what_two_launches_store(step: Step) -> list:
 
 
 def assert_a_replay_stores_what_an_eager_call_stores(step: Step) -> None:
-    """A call captured (its kernels compiled before) and replayed from the same state and
-    cache stores what the eager call stores."""
+    """A call captured by the fused kernels (compiled before: a capture cannot compile) and
+    replayed from the same state and cache stores what the eager op stores."""
     eager = step.args()
     eager_cuc = STORE(*eager)
     replayed = step.args()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_cuc = STORE(*replayed)
+        graph_cuc = fused(replayed)
+    assert graph_cuc is not None, "the capture did not take the fused kernels"
     for i, t in ((6, step.kv_state), (7, step.score_state), (15, step.cache)):
         replayed[i].copy_(t.to(DEVICE))  # the capture ran nothing; as before the call
     graph.replay()

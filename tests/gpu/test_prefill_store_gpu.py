@@ -69,8 +69,8 @@ def test_every_batch_shape_stores_what_three_launches_store(batch):
 
 
 def test_a_captured_prefill_replays_the_fused_bytes():
-    """precompile_store with the configuration builds both fused kernels, so a capture takes
-    them; a replay stores what the eager call stores."""
+    """precompile_store with the configuration (within fused_prefill()) builds both fused
+    kernels, so a capture takes them; a replay stores what the eager call stores."""
     case = CASES[1]
     csa_ops.precompile_store(case.head_dim, case.cache_format, case.rope_dim, case.rotate,
                              1e-6, case.dtype, case.weight_dtype, ratio=case.ratio,

@@ -36,6 +36,8 @@ class WindowExtendStore(WindowExtend):
         super().__init__(key.extend)
         self.head_rows_only = key.head_rows_only
         self.epi = self.fused_with(RowEpilogueStore(key.epilogue))
+        # Batch.row_sums keeps two sums a warp, whichever items the extend key has.
+        self.warp_sums = 2 * self.warps
         # A CTA sums the batch's rows alone: as many requests per round trip as the store
         # kernel's narrow CTAs load.
         self.batch = requests.Batch(self.R, self.nt, max(requests.COUNTS_AHEAD,
