@@ -321,6 +321,30 @@ def test_the_prefill_kernels_compile_for_their_configuration(config, arch, size)
         assert _an_sm_holds(rows.rows.knobs.min_ctas, key.threads, registers)
 
 
+@pytest.mark.parametrize("config, size", [(DECODE_STEPS[0], SizeClass.FEW_LARGE),
+                                          (DECODE_STEPS[2], SizeClass.LARGE)],
+                         ids=["r4c2-lanes", "r4c1-fp16-scan"])
+def test_the_rows_launch_pools_with_the_forward_operations(config, size):
+    """The rows launch's pooling compiles to the forward kernel's per-row operations at its
+    vector width, no more and no fewer, and its other float arithmetic is the store
+    kernel's; the forward's selects of a sequence's first block fold away (a row past the
+    head rows never is one)."""
+    ratio, coff, fmt, dtype, weight, d, rope, rotate = config
+    key = plan.configure(str(dtype)[6:], str(weight)[6:], d, rope, rotate, fmt, 1e-6, "sm_90a")
+    _, rows = host.prefill_store_keys(key, ratio, coff, size)
+    from csa_ops.config import Part, with_knobs
+
+    forward = with_knobs(rows.rows, part=Part.WHOLE, lane_requests=False, min_ctas=0)
+    ptx = {name: compile_cache.ptx(direction, k) for name, direction, k in (
+        ("rows", Direction.ROWS_STORE, rows), ("forward", Direction.FORWARD, forward),
+        ("store", Direction.STORE, key))}
+    for op in ("ex2.approx", "fma.rn.f32", "fma.rm.f32", "max.NaN.f32", r"\tmul.f32",
+               r"\tadd.f32", "selp.f32", "setp.ge.f32", "mul.rn.f32", "div.rn.f32"):
+        count = {name: len(re.findall(op, text)) for name, text in ptx.items()}
+        pooling = 0 if op == "selp.f32" else count["forward"]
+        assert count["rows"] == pooling + count["store"], (op, count)
+
+
 def test_precompile_store_compiles_the_prefill_kernels_where_calls_take_them(monkeypatch):
     """With a configuration, precompile_store compiles the split calls' fused kernels only
     within fused_prefill(), where calls take them (recorded here, not compiled)."""
