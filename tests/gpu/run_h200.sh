@@ -75,6 +75,7 @@ if wants tests; then
   job epilogue "$T" "$ROOT" $PYTEST tests/gpu/test_epilogue_gpu.py
   job capacity "$T" "$ROOT" $PYTEST tests/gpu/test_row_capacity_gpu.py
   job store "$T" "$ROOT" $PYTEST tests/gpu/test_store_kernel_gpu.py tests/gpu/test_decode_step_gpu.py
+  job prefill "$T" "$ROOT" $PYTEST tests/gpu/test_prefill_store_gpu.py
   job devices "$T" "$ROOT" $PYTEST tests/gpu/test_multi_device_gpu.py
 fi
 if wants sanitize; then
@@ -83,7 +84,8 @@ if wants sanitize; then
   job sanitize "$T" "$ROOT" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
     --tool memcheck --report-api-errors no --error-exitcode 99 $PYTEST -k adversarial \
     tests/gpu/test_kernels_window.py tests/gpu/test_kernels_streaming.py \
-    tests/gpu/test_serving_gpu.py tests/gpu/test_store_kernel_gpu.py tests/gpu/test_decode_step_gpu.py
+    tests/gpu/test_serving_gpu.py tests/gpu/test_store_kernel_gpu.py tests/gpu/test_decode_step_gpu.py \
+    tests/gpu/test_prefill_store_gpu.py
 fi
 wait
 

@@ -46,7 +46,7 @@ def prefill(case, lengths=LENGTHS, seed=0) -> Step:
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
-def test_a_prefill_in_two_fused_launches_stores_what_three_launches_store(case):
+def test_adversarial_prefill_in_two_fused_launches_stores_what_three_launches_store(case):
     assert extend_plan.size_class(sum(LENGTHS), len(LENGTHS)) == SizeClass.FEW_LARGE
     step = prefill(case, seed=CASES.index(case))
     got = assert_fused_stores_what_two_launches_store(step)
