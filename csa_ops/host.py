@@ -215,8 +215,7 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
     weight_dtype None means float32; the rest as in precompile. With ``ratio`` and ``coff``
     also the fused kernels of that configuration, where they take it: the decode step's,
     and within row_epilogue.fused_prefill() each split call's two (prefill_store_keys).
-    Returns
-    the epilogue's key, or None where that epilogue runs as torch ops."""
+    Returns the epilogue's key, or None where that epilogue runs as torch ops."""
     key = _epilogue_target("precompile_store", head_dim, cache_format, rope_dim, rotate, eps,
                            dtype, weight_dtype, arch, False)
     if key is not None:
@@ -224,12 +223,11 @@ def precompile_store(head_dim: int, cache_format: str, rope_dim: int = 0, rotate
         step = decode_step_key(key, ratio, coff)
         if step is not None:
             KERNELS.get(Direction.EXTEND_STORE, step)
-        for size in (extend_plan.SizeClass.FEW_LARGE, extend_plan.SizeClass.LARGE):
-            if not STATE.fused_store_prefill:  # only calls within fused_prefill() take them
-                break
-            for direction, split_key in zip(SPLIT_STORE,
-                                            prefill_store_keys(key, ratio, coff, size)):
-                KERNELS.get(direction, split_key)
+        if STATE.fused_store_prefill:  # only calls within fused_prefill() take them
+            for size in (extend_plan.SizeClass.FEW_LARGE, extend_plan.SizeClass.LARGE):
+                for direction, split_key in zip(window_plan.SPLIT_STORE,
+                                                prefill_store_keys(key, ratio, coff, size)):
+                    KERNELS.get(direction, split_key)
     return key
 
 
@@ -241,10 +239,6 @@ def decode_step_key(epilogue, ratio: int | None, coff: int | None):
         return None
     return window_plan.extend_store_key(extend_plan.for_size(forward, extend_plan.SizeClass.STEP),
                                         epilogue)
-
-
-# The directions of a split csa::compressor_extend_store call's two fused launches.
-SPLIT_STORE = (Direction.EXTEND_STORE, Direction.ROWS_STORE)
 
 
 def prefill_store_keys(epilogue, ratio: int | None, coff: int | None,

@@ -213,8 +213,9 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
                         cache_format: str, cache, block_table, page_size: int, ratio: int,
                         coff: int, num_rows: int):
     """csa::compressor_extend_store's whole call by the register-window family's fused
-    kernels: a decode step in one launch (kernels/window/extend_store.py), a prefill of few
-    requests in two (its head rows and states, then its other rows: rows_store.py). The
+    kernels: a decode step in one launch (kernels/window/extend_store.py), and within
+    fused_prefill() a split call in two (its head rows and states, then its other rows:
+    rows_store.py). The
     state is updated in place, the rows the requests complete go through the epilogue into
     ``cache``; returns cu_seqlens_comp, or None where no fused kernel takes the call
     (nothing launched: the extend and store kernels run it). ``num_rows``: the call's row
@@ -251,7 +252,7 @@ def launch_extend_store(kv, score, ape, cu_seqlens, start_pos, slots, kv_state, 
         lambda host: _fused_store_keys(kv, num_requests, norm_weight, eps, rope_dim, rotate,
                                        cache_format, ratio, coff, prefill, host),
         constants, kv.device.index or 0, live="ape", to_float=("ape",), compiled_only=True,
-        launched=lambda keys: zip((Direction.EXTEND_STORE, Direction.ROWS_STORE), keys))
+        launched=lambda keys: zip(window_plan.SPLIT_STORE, keys))
     return None if call is None else call(*tensors)
 
 

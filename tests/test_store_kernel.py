@@ -355,8 +355,9 @@ def test_precompile_store_compiles_the_prefill_kernels_where_calls_take_them(mon
         (Direction(direction), key)))
     key = csa_ops.precompile_store(512, "fp8_ds_mla", 64, False, 1e-6, torch.bfloat16,
                                    torch.float32, arch="sm_90a", ratio=4, coff=2)
-    split = {(d, k) for size in (SizeClass.FEW_LARGE, SizeClass.LARGE)
-             for d, k in zip(host.SPLIT_STORE, host.prefill_store_keys(key, 4, 2, size))}
+    split = {part for size in (SizeClass.FEW_LARGE, SizeClass.LARGE)
+             for part in zip(window_plan.SPLIT_STORE,
+                             host.prefill_store_keys(key, 4, 2, size))}
     assert len(split) == 3  # the head rows' kernel is both sizes'
     assert [d for d, _ in asked] == [Direction.STORE, Direction.EXTEND_STORE]
     asked.clear()

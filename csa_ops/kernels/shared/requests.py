@@ -225,10 +225,10 @@ class Batch:
     @cute.jit
     def lane_of_row(self, n, held):
         """(found, first row, ok, first token, start, rows, request) of the request whose
-        rows hold output row n, from hold_in_lanes' values `held` (shuffles only; every lane takes
-        part, each with its own n). A binary search finds the last lane whose rows start at
-        or before n; found checks that its rows hold n (they do not where n lies past the
-        batch's rows)."""
+        rows hold output row n, from hold_in_lanes' values `held` (shuffles only; every
+        lane takes part, each with its own n). A binary search finds the last lane whose
+        rows start at or before n; found checks that its rows hold n (they do not where n
+        lies past the batch's rows)."""
         ok, tok0, start, rows, before, _ = held
         lane = lane_at(n, before)
         first = cute.arch.shuffle_sync(before, lane)

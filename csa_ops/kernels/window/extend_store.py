@@ -1,8 +1,8 @@
 """csa::compressor_extend_store's decode step in one launch (register-window family): a CTA
 per request updates its state, pools the rows its new tokens complete as the extend kernel
 does, and takes each row straight through the row epilogue into the paged cache. A split
-call of few requests (a prefill) launches it for its requests' head rows (the rows that read
-the state) and states only, beside rows_store.py's launch for the rest.
+call (a prefill) launches it for its requests' head rows (the rows that read the state) and
+states only, beside rows_store.py's launch for the rest.
 
 Apart, the step is two launches: the extend kernel writes packed rows, and the store kernel
 (kernels/epilogue/store.py) waits for that whole grid before it reads them back. Here the

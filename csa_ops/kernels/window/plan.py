@@ -351,6 +351,9 @@ def split_store_keys(key: KernelKey,
     return ExtendStoreKey(heads, epilogue), RowsStoreKey(rows, epilogue)
 
 
+# The directions of split_store_keys' two launches, in order.
+SPLIT_STORE = (Direction.EXTEND_STORE, Direction.ROWS_STORE)
+
 
 class _TrainingKey(_FusedKey):
     """A fused key of csa::compressor_epilogue, whose epilogue writes rows."""

@@ -1,6 +1,7 @@
 """The second launch of a split csa::compressor_extend_store call (a prefill, or a batch
-that mixes one with decode requests; register-window family): the rows past each request's head rows, pooled where the
-epilogue's CTA runs and taken straight through the row epilogue into the paged cache.
+that mixes one with decode requests; register-window family): the rows past each request's
+head rows, pooled where the epilogue's CTA runs and taken straight through the row epilogue
+into the paged cache.
 
 Apart, a prefill is the extend kernel's two launches (the requests' items, the row items),
 which write packed rows, and the store kernel (kernels/epilogue/store.py), which waits for
@@ -144,12 +145,12 @@ class WindowRowsStore(WindowForwardEpilogue):
         sPosition = smem.allocate_tensor(Int64, cute.make_layout(self.threads), 8)
         sToken = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
         sFlags = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
-        rows_per_cta = (num_rows + grid - 1) // grid
-        begin = cta * rows_per_cta
-        end = cutlass.min(begin + rows_per_cta, num_rows)
         sReq = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
         sBase = smem.allocate_tensor(Int32, cute.make_layout(self.threads), 4)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.threads // 32), 4)
+        rows_per_cta = (num_rows + grid - 1) // grid
+        begin = cta * rows_per_cta
+        end = cutlass.min(begin + rows_per_cta, num_rows)
         cu = cute.make_tensor(p_cu, num_reqs + 1)
         starts = cute.make_tensor(p_starts, num_reqs)
         slots = cute.make_tensor(p_slots, num_reqs)
